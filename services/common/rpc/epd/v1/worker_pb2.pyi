@@ -1,0 +1,72 @@
+from services.common.rpc.epd.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "media", "sampling", "cache_salt", "embedding_timeout_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    media: _containers.RepeatedCompositeFieldContainer[_common_pb2.MediaRef]
+    sampling: _common_pb2.SamplingParams
+    cache_salt: str
+    embedding_timeout_s: float
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., media: _Optional[_Iterable[_Union[_common_pb2.MediaRef, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., embedding_timeout_s: _Optional[float] = ...) -> None: ...
+
+class WorkerResponse(_message.Message):
+    __slots__ = ("token_ids", "finished", "finish_reason", "cached_tokens", "prefill_s", "encode_wait_s")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finished: bool
+    finish_reason: str
+    cached_tokens: int
+    prefill_s: float
+    encode_wait_s: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., prefill_s: _Optional[float] = ..., encode_wait_s: _Optional[float] = ...) -> None: ...
+
+class EmbeddingChunk(_message.Message):
+    __slots__ = ("mm_hash", "meta", "data", "last")
+    MM_HASH_FIELD_NUMBER: _ClassVar[int]
+    META_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    mm_hash: str
+    meta: _common_pb2.TensorMeta
+    data: bytes
+    last: bool
+    def __init__(self, mm_hash: _Optional[str] = ..., meta: _Optional[_Union[_common_pb2.TensorMeta, _Mapping]] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class PushAck(_message.Message):
+    __slots__ = ("items", "bytes")
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    items: int
+    bytes: int
+    def __init__(self, items: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbortReply(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
