@@ -1,0 +1,142 @@
+"""Service configuration from flags and `EPD_*` environment variables.
+
+A dataclass field `foo_bar` is set, in order of precedence, from the flag `--foo-bar`, the
+environment variable `EPD_FOO_BAR`, or its default. Compose files, Helm values and `epd up`
+all use these same names (see docs/configuration.md). Invalid values raise ConfigError with
+the variable's name; nothing is validated with `assert`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+ENV_PREFIX = "EPD_"
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the setting."""
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def _field_kind(cls: type, field: dataclasses.Field) -> Any:
+    hints = typing.get_type_hints(cls)
+    kind = hints[field.name]
+    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+        kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
+    return kind
+
+
+def _parse(kind: Any, name: str, raw: str) -> Any:
+    try:
+        if kind is bool:
+            lowered = raw.strip().lower()
+            if lowered in {"1", "true", "yes", "on"}:
+                return True
+            if lowered in {"0", "false", "no", "off", ""}:
+                return False
+            raise ValueError(raw)
+        if kind is int:
+            return int(raw)
+        if kind is float:
+            return float(raw)
+        if typing.get_origin(kind) in (list, tuple):
+            items = [item.strip() for item in raw.split(",") if item.strip()]
+            return tuple(items) if typing.get_origin(kind) is tuple else items
+        return raw
+    except ValueError as exc:
+        raise ConfigError(f"{env_name(name)} / {flag_name(name)}: cannot read {raw!r} as {kind}") from exc
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one flag per field of the config dataclass `cls` (all default to None = unset)."""
+    for field in dataclasses.fields(cls):
+        help_text = field.metadata.get("help", "")
+        parser.add_argument(flag_name(field.name), dest=field.name, default=None,
+                            help=f"{help_text} (env {env_name(field.name)})")
+
+
+def load(cls: type[T], args: argparse.Namespace | None = None,
+         env: Mapping[str, str] | None = None, **overrides: Any) -> T:
+    """Build `cls` from overrides, parsed flags, then environment, then defaults."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        kind = _field_kind(cls, field)
+        if field.name in overrides:
+            values[field.name] = overrides[field.name]
+            continue
+        raw = getattr(args, field.name, None) if args is not None else None
+        if raw is None:
+            raw = env.get(env_name(field.name))
+        if raw is not None:
+            values[field.name] = _parse(kind, field.name, str(raw))
+    config = cls(**values)
+    validate = getattr(config, "validate", None)
+    if callable(validate):
+        validate()
+    return config
+
+
+def to_env(config: Any) -> dict[str, str]:
+    """The `EPD_*` variables that reproduce `config` in a child process."""
+    out: dict[str, str] = {}
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            out[env_name(field.name)] = "true" if value else "false"
+        elif isinstance(value, Sequence) and not isinstance(value, str):
+            out[env_name(field.name)] = ",".join(str(v) for v in value)
+        else:
+            out[env_name(field.name)] = str(value)
+    return out
+
+
+def require_positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{env_name(name)} must be positive, got {value}")
+
+
+@dataclasses.dataclass
+class ServiceConfig:
+    """Settings every service shares. Subclasses add their own and set `port` defaults."""
+
+    model: str = dataclasses.field(default="", metadata={"help": "model folder"})
+    redis_url: str = dataclasses.field(default="redis://127.0.0.1:6379/0", metadata={"help": "Redis URL"})
+    host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "bind address"})
+    port: int = dataclasses.field(default=0, metadata={"help": "gRPC port"})
+    metrics_port: int = dataclasses.field(default=9400, metadata={"help": "Prometheus port, 0 = off"})
+    advertise_addr: str = dataclasses.field(default="", metadata={"help": "host:port others dial"})
+    log_level: str = dataclasses.field(default="INFO", metadata={"help": "logging level"})
+    device: str = dataclasses.field(default="cpu", metadata={"help": "cpu or cuda"})
+    dtype: str = dataclasses.field(default="float32", metadata={"help": "float32, bfloat16, float16"})
+    embedding_cache_bytes: int = dataclasses.field(default=512 << 20, metadata={"help": "in-process LRU"})
+    embedding_cache_ttl_s: int = dataclasses.field(default=3600, metadata={"help": "Redis TTL"})
+
+    def validate(self) -> None:
+        if not self.model:
+            raise ConfigError(f"{env_name('model')} / {flag_name('model')}: a model folder is required")
+        if self.dtype not in {"float32", "bfloat16", "float16"}:
+            raise ConfigError(f"{env_name('dtype')}: unknown dtype {self.dtype!r}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"{env_name('port')}: {self.port} is not a port")
+
+    @property
+    def address(self) -> str:
+        """The address other services dial to reach this one."""
+        return self.advertise_addr or f"{self.host}:{self.port}"

@@ -1,0 +1,160 @@
+"""The cluster-wide embedding cache: an in-process LRU bounded in bytes over Redis.
+
+Keys are `epd:emb:<model revision>:<mm_hash>`; a value is a small header (magic, JSON with
+dtype and shape) followed by the raw tensor bytes. Invariants: the LRU never holds more than
+`max_bytes`; items over `max_item_bytes` are never stored in either tier; a Redis error or
+timeout is a miss (counted), never an exception to the caller. After a Redis failure the
+cache skips Redis for `retry_after_s`, so an outage costs one timeout, not one per request,
+and resumes by itself when Redis answers again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis
+import torch
+
+from services.common import tensor_codec
+
+log = logging.getLogger(__name__)
+_MAGIC = b"EPDE1\n"
+
+
+@dataclass(frozen=True)
+class CacheLookup:
+    """Result of `EmbeddingCache.get`: the tensor and the tier that had it, or a miss."""
+
+    tensor: torch.Tensor | None
+    tier: str  # "memory" | "redis" | "miss"
+
+    @property
+    def hit(self) -> bool:
+        return self.tensor is not None
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    redis_url: str
+    revision: str
+    max_bytes: int = 512 << 20
+    max_item_bytes: int = 64 << 20
+    ttl_s: int = 3600
+    socket_timeout_s: float = 0.25
+    retry_after_s: float = 1.0
+
+
+def pack(tensor: torch.Tensor) -> bytes:
+    """Serialise an embedding as header + raw bytes (lossless)."""
+    encoded = tensor_codec.encode(tensor)
+    header = json.dumps({"dtype": encoded.dtype, "shape": list(encoded.shape)}).encode()
+    return _MAGIC + len(header).to_bytes(4, "big") + header + encoded.data
+
+
+def unpack(blob: bytes) -> torch.Tensor:
+    """Inverse of `pack`; raises CodecError on anything malformed."""
+    if not blob.startswith(_MAGIC):
+        raise tensor_codec.CodecError("not an epd embedding blob")
+    start = len(_MAGIC)
+    size = int.from_bytes(blob[start : start + 4], "big")
+    header = json.loads(blob[start + 4 : start + 4 + size])
+    return tensor_codec.decode(header["dtype"], tuple(header["shape"]), blob[start + 4 + size :])
+
+
+class EmbeddingCache:
+    """Two-tier embedding cache; thread-safe. `on_event(kind, tier)` feeds metrics."""
+
+    def __init__(self, settings: CacheSettings, on_event: Callable[[str, str], None] | None = None) -> None:
+        self._settings = settings
+        self._lru: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._lru_bytes = 0
+        self._lock = threading.Lock()
+        self._on_event = on_event or (lambda kind, tier: None)
+        self._redis = redis.Redis.from_url(
+            settings.redis_url,
+            socket_timeout=settings.socket_timeout_s,
+            socket_connect_timeout=settings.socket_timeout_s,
+        )
+        self._redis_down_until = 0.0
+
+    def key(self, mm_hash: str) -> str:
+        return f"epd:emb:{self._settings.revision}:{mm_hash}"
+
+    @property
+    def memory_bytes(self) -> int:
+        return self._lru_bytes
+
+    def get(self, mm_hash: str) -> CacheLookup:
+        """Look in memory, then Redis (promoting a Redis hit into memory)."""
+        with self._lock:
+            tensor = self._lru.get(mm_hash)
+            if tensor is not None:
+                self._lru.move_to_end(mm_hash)
+        if tensor is not None:
+            self._on_event("hit", "memory")
+            return CacheLookup(tensor, "memory")
+        blob = self._redis_call(lambda r: r.get(self.key(mm_hash)))
+        if blob:
+            try:
+                tensor = unpack(blob)
+            except (tensor_codec.CodecError, ValueError, KeyError):
+                log.warning("dropping malformed cache entry %s", mm_hash)
+                tensor = None
+        if tensor is None:
+            self._on_event("miss", "all")
+            return CacheLookup(None, "miss")
+        self._remember(mm_hash, tensor)
+        self._on_event("hit", "redis")
+        return CacheLookup(tensor, "redis")
+
+    def put(self, mm_hash: str, tensor: torch.Tensor) -> bool:
+        """Store in both tiers; False when the item is over the per-item cap."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > self._settings.max_item_bytes:
+            self._on_event("skip", "too_large")
+            return False
+        self._remember(mm_hash, tensor)
+        blob = pack(tensor)
+        self._redis_call(lambda r: r.set(self.key(mm_hash), blob, ex=self._settings.ttl_s))
+        return True
+
+    def forget_memory(self) -> None:
+        """Drop the in-process tier (tests use this to force a Redis lookup)."""
+        with self._lock:
+            self._lru.clear()
+            self._lru_bytes = 0
+
+    def _remember(self, mm_hash: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > self._settings.max_bytes:
+            return
+        with self._lock:
+            old = self._lru.pop(mm_hash, None)
+            if old is not None:
+                self._lru_bytes -= old.numel() * old.element_size()
+            self._lru[mm_hash] = tensor
+            self._lru_bytes += nbytes
+            while self._lru_bytes > self._settings.max_bytes:
+                _, evicted = self._lru.popitem(last=False)
+                self._lru_bytes -= evicted.numel() * evicted.element_size()
+
+    def _redis_call(self, fn: Callable[[redis.Redis], object]) -> object:
+        if time.monotonic() < self._redis_down_until:
+            self._on_event("error", "redis_skipped")
+            return None
+        try:
+            return fn(self._redis)
+        except (redis.RedisError, OSError) as exc:
+            log.warning("embedding cache: Redis unavailable (%s); treating as a miss", exc)
+            self._redis_down_until = time.monotonic() + self._settings.retry_after_s
+            self._on_event("error", "redis")
+            return None
+
+    def close(self) -> None:
+        self._redis.close()

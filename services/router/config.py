@@ -1,0 +1,29 @@
+"""Router settings (flags / EPD_* variables); see services/common/config.py for the rules."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from services.common.config import ServiceConfig, require_positive
+
+
+@dataclasses.dataclass
+class RouterConfig(ServiceConfig):
+    port: int = 50051
+    encoder_addrs: list[str] = dataclasses.field(
+        default_factory=lambda: ["127.0.0.1:50061"], metadata={"help": "encoder host:port list"})
+    worker_addrs: list[str] = dataclasses.field(
+        default_factory=lambda: ["127.0.0.1:50071"], metadata={"help": "worker host:port list"})
+    max_images_per_prompt: int = dataclasses.field(default=8, metadata={"help": "images per request"})
+    max_item_bytes: int = dataclasses.field(default=20 << 20, metadata={"help": "bytes per media item"})
+    max_request_bytes: int = dataclasses.field(default=64 << 20, metadata={"help": "media bytes per request"})
+    max_image_pixels: int = dataclasses.field(default=50_000_000, metadata={"help": "pixels per image"})
+    default_max_tokens: int = dataclasses.field(default=256, metadata={"help": "when a request sets none"})
+    request_timeout_s: float = dataclasses.field(default=120.0, metadata={"help": "per-request deadline"})
+    encode_timeout_s: float = dataclasses.field(default=60.0, metadata={"help": "encoder call deadline"})
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("max_images_per_prompt", "max_item_bytes", "max_request_bytes", "max_image_pixels",
+                     "default_max_tokens", "request_timeout_s", "encode_timeout_s"):
+            require_positive(name, getattr(self, name))
