@@ -113,6 +113,13 @@ class EmbeddingCache:
         self._on_event("hit", "redis")
         return CacheLookup(tensor, "redis")
 
+    def contains(self, mm_hash: str) -> bool:
+        """Whether either tier holds the item now (no data transferred; a Redis error is False)."""
+        with self._lock:
+            if mm_hash in self._lru:
+                return True
+        return bool(self._redis_call(lambda r: r.exists(self.key(mm_hash))))
+
     def put(self, mm_hash: str, tensor: torch.Tensor) -> bool:
         """Store in both tiers; False when the item is over the per-item cap."""
         nbytes = tensor.numel() * tensor.element_size()
@@ -123,6 +130,10 @@ class EmbeddingCache:
         blob = pack(tensor)
         self._redis_call(lambda r: r.set(self.key(mm_hash), blob, ex=self._settings.ttl_s))
         return True
+
+    def remember(self, mm_hash: str, tensor: torch.Tensor) -> None:
+        """Keep `tensor` in the in-process tier only (a worker holding a pushed embedding)."""
+        self._remember(mm_hash, tensor)
 
     def forget_memory(self) -> None:
         """Drop the in-process tier (tests use this to force a Redis lookup)."""

@@ -1,0 +1,63 @@
+"""What a request costs before any GPU work: its prompt tokens, media tokens and projected total.
+
+`projected_tokens = prompt_tokens + max_tokens`; the router admits against it and returns it
+from CountTokens and in every Final usage. Token counts come from the model's own resize
+rule (the adapter), the same numbers its processor would produce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.hashing import mm_hash
+from services.common.model_info import ModelInfo
+from services.common.rpc.epd.v1 import common_pb2, generation_pb2
+from services.models.base import PromptError
+from services.router.errors import invalid
+from services.router.intake import Intake
+
+
+@dataclass(frozen=True)
+class Accounted:
+    token_ids: list[int]
+    refs: list[common_pb2.MediaRef]
+    item_data: list[bytes]
+    text_tokens: int
+    image_tokens: int
+    max_tokens: int
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def projected_tokens(self) -> int:
+        return self.prompt_tokens + self.max_tokens
+
+    def token_count(self) -> generation_pb2.TokenCount:
+        return generation_pb2.TokenCount(
+            prompt_tokens=self.prompt_tokens, text_tokens=self.text_tokens, image_tokens=self.image_tokens,
+            max_tokens=self.max_tokens, projected_tokens=self.projected_tokens,
+            tokens_per_item=[ref.num_tokens for ref in self.refs])
+
+
+def account(info: ModelInfo, intake: Intake, max_tokens: int) -> Accounted:
+    """Build the prompt and its media refs; INVALID_ARGUMENT if it cannot fit the model's context."""
+    adapter = info.adapter
+    geometry = [adapter.image_tokens(item.header.width, item.header.height) for item in intake.items]
+    try:
+        prompt = adapter.build_prompt(intake.messages, geometry)
+    except PromptError as exc:
+        raise invalid(str(exc)) from exc
+    total = len(prompt.token_ids) + max_tokens
+    if total > adapter.max_context:
+        raise invalid(f"prompt of {len(prompt.token_ids)} tokens plus max_tokens {max_tokens} is {total}, "
+                      f"longer than the model's context of {adapter.max_context} tokens")
+    refs = [
+        common_pb2.MediaRef(
+            mm_hash=mm_hash(info.identity, "image", item.data), modality="image",
+            offset=span.offset, num_tokens=span.length, grid_thw=list(tokens.grid_thw))
+        for item, span, tokens in zip(intake.items, prompt.spans, geometry, strict=True)
+    ]
+    return Accounted(prompt.token_ids, refs, [item.data for item in intake.items],
+                     prompt.text_tokens, prompt.media_tokens, max_tokens)

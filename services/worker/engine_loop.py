@@ -1,0 +1,99 @@
+"""Runs the engine on its own thread and feeds results back to asyncio.
+
+The engine is not thread-safe; every call into it happens on this loop's thread. Other
+threads submit commands (add, provide an embedding, abort), which run before the next step.
+Each request's outputs go to the sink given with it; the sink is dropped when the request
+finishes or is aborted, so no output is delivered after that.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[Any], None]
+
+
+class EngineLike(Protocol):
+    def add_request(self, request: Any) -> None: ...
+    def provide_embedding(self, mm_hash: str, tensor: Any) -> None: ...
+    def abort(self, request_id: str) -> None: ...
+    def step(self) -> list[Any]: ...
+    def has_work(self) -> bool: ...
+    def kv_state(self) -> Any: ...
+
+
+class EngineLoop:
+    def __init__(self, engine: EngineLike, idle_wait_s: float = 0.05) -> None:
+        self._engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}
+        self._idle_wait_s = idle_wait_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.kv_state = engine.kv_state()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._commands.put(lambda: None)
+        self._thread.join(timeout=10)
+
+    def add_request(self, request: Any, sink: Sink) -> None:
+        def add() -> None:
+            self._sinks[request.request_id] = sink
+            self._engine.add_request(request)
+        self._commands.put(add)
+
+    def provide_embedding(self, mm_hash: str, tensor: Any) -> None:
+        self._commands.put(lambda: self._engine.provide_embedding(mm_hash, tensor))
+
+    def abort(self, request_id: str) -> None:
+        def abort() -> None:
+            self._sinks.pop(request_id, None)
+            self._engine.abort(request_id)
+        self._commands.put(abort)
+
+    def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread and return its result (blocking)."""
+        done: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._commands.put(lambda: done.put(fn(self._engine)))
+        return done.get(timeout=30)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=self._idle_wait_s) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        command()
+        while True:
+            try:
+                self._commands.get_nowait()()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                self._drain(block=not self._engine.has_work())
+                if self._engine.has_work():
+                    for output in self._engine.step():
+                        sink = self._sinks.get(output.request_id)
+                        if output.finished:
+                            self._sinks.pop(output.request_id, None)
+                        if sink is not None:
+                            sink(output)
+                self.kv_state = self._engine.kv_state()
+            except Exception:  # a bug in one step must not kill the worker silently
+                log.exception("engine step failed; failing the running requests")
+                for request_id, sink in list(self._sinks.items()):
+                    self._sinks.pop(request_id, None)
+                    self._engine.abort(request_id)
+                    sink(None)
