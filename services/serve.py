@@ -1,0 +1,39 @@
+"""Starting one service by role name (what `epd serve <role>` runs)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from services.common.config import ServiceConfig
+from services.encoder.config import EncoderConfig
+from services.router.config import RouterConfig
+from services.worker.config import WorkerConfig
+
+CONFIGS: dict[str, type[ServiceConfig]] = {
+    "router": RouterConfig,
+    "encoder": EncoderConfig,
+    "worker": WorkerConfig,
+}
+
+
+async def start_role(role: str, config: ServiceConfig) -> Callable[[], Awaitable[None]]:
+    """Start the service; return an async function that stops it."""
+    if role == "router":
+        from services.router.server import start_router
+
+        running = await start_router(config)
+        return running.stop
+    if role == "encoder":
+        from services.encoder.server import start_encoder
+
+        running = await start_encoder(config)
+        return running.stop
+    from services.worker.server import start_worker
+
+    running, loop = await start_worker(config)
+
+    async def stop() -> None:
+        await running.stop()
+        loop.stop()
+
+    return stop
