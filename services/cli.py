@@ -205,6 +205,7 @@ def _print_stream_cmd(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub at run time
     args = _parser().parse_args(argv)
     return args.fn(args)
 
