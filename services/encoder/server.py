@@ -90,7 +90,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         try:
             image = load_image(data, self._limits)
         except MediaError as exc:
-            raise MediaError(f"image {index}: {exc}") from exc
+            raise exc.with_index(index) from exc
         self._metrics.preprocess_seconds.record(time.perf_counter() - start)
         batch = self._runner.encode([image])
         self._metrics.encode_seconds.record(batch.seconds)

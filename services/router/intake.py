@@ -89,7 +89,7 @@ def parse_messages(messages: list[generation_pb2.Message], limits: IntakeLimits)
             if total_bytes > limits.max_request_bytes:
                 raise invalid(f"{where}: media total exceeds {limits.max_request_bytes} bytes per request")
             try:
-                header = probe_image(data, limits.media)
+                header = probe_image(data, limits.media, index=len(items))
             except MediaError as exc:
                 raise invalid(f"{where}: {exc}") from exc
             items.append(MediaItem(len(items), data, header))

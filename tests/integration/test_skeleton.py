@@ -1,0 +1,194 @@
+"""The whole request path for real: router, encoder and worker in their own processes, real Redis.
+
+Greedy output through the cluster must equal transformers' `model.generate` on the same folder.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from PIL import Image
+
+from services.client import Client, user_request
+from services.common.model_info import load_model_info
+from services.common.rpc.epd.v1 import generation_pb2
+from services.launch.local import ClusterSpec, LocalCluster, start_cluster
+from services.models.base import ChatMessage, ChatPart
+from tests import media_factory
+from tests.integration.conftest import RedisServer, metric_value, model_folder
+from tests.oracle import hf_generate
+
+MAX_TOKENS = 12
+PROMPT = "Describe the picture."
+
+
+@dataclass
+class Cluster:
+    local: LocalCluster
+    model_dir: Path
+    client: Client
+
+    def encoded_items(self) -> float:
+        return sum(metric_value(p.metrics_port, "epd_encoder_items_encoded_total") for p in self.local.encoders)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return model_folder(tmp_path_factory.mktemp("models"), "qwen2-vl")  # saved max_pixels = 1280*28*28
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir: Path, redis_server: RedisServer, tmp_path_factory) -> Iterator[Cluster]:
+    local = start_cluster(ClusterSpec(model_dir, redis_url=redis_server.url, free_ports=True,
+                                      log_dir=tmp_path_factory.mktemp("logs")))
+    client = Client(local.address)
+    yield Cluster(local, model_dir, client)
+    client.close()
+    local.stop()
+    assert all(p.popen.poll() is not None for p in local.processes)
+
+
+def decoded(data: bytes) -> Image.Image:
+    """The image as the encoder sees it (orientation applied, RGB on white)."""
+    from services.common.media import MediaLimits
+    from services.encoder.preprocess import load_image
+
+    return load_image(data, MediaLimits())
+
+
+def expected(model_dir: Path, images: list[bytes], prompt: str = PROMPT) -> list[int]:
+    parts = [ChatPart("image") for _ in images] + [ChatPart("text", prompt)]
+    return hf_generate(model_dir, [ChatMessage("user", parts)], [decoded(d) for d in images], MAX_TOKENS)
+
+
+IMAGES = {
+    "above_max_pixels": lambda: media_factory.jpeg(1400, 1100, seed=1),
+    "png_alpha": lambda: media_factory.png(200, 150, "RGBA", seed=2),
+    "gray_jpeg": lambda: media_factory.jpeg(120, 300, gray=True, seed=3),
+    "tall_thin": lambda: media_factory.png(40, 900, seed=4),
+}
+
+
+@pytest.mark.parametrize("name", list(IMAGES))
+def test_greedy_output_equals_generate(cluster: Cluster, name: str) -> None:
+    data = IMAGES[name]()
+    answer = cluster.client.generate(user_request(PROMPT, [data], max_tokens=MAX_TOKENS))
+    assert answer.token_ids == expected(cluster.model_dir, [data])
+    final = answer.final
+    assert final.finish_reason in {"stop", "length"}
+    assert final.usage.completion_tokens == len(answer.token_ids)
+    assert final.usage.prompt_tokens == final.usage.text_tokens + final.usage.image_tokens
+    assert final.usage.image_tokens > 0
+
+
+def test_two_images_and_text_only(cluster: Cluster) -> None:
+    images = [media_factory.png(64, 96, seed=5), media_factory.jpeg(150, 80, seed=6)]
+    answer = cluster.client.generate(user_request("Compare them.", images, max_tokens=MAX_TOKENS))
+    assert answer.token_ids == expected(cluster.model_dir, images, "Compare them.")
+    text_only = cluster.client.generate(user_request("Hello there", [], max_tokens=MAX_TOKENS))
+    assert text_only.token_ids == expected(cluster.model_dir, [], "Hello there")
+    assert text_only.final.usage.image_tokens == 0
+
+
+def test_count_tokens_equals_processor(cluster: Cluster) -> None:
+    from transformers import AutoImageProcessor
+
+    processor = AutoImageProcessor.from_pretrained(cluster.model_dir, local_files_only=True)
+    for w, h in [(1344, 1008), (200, 150), (40, 900), (1400, 1100)]:
+        data = media_factory.png(w, h, seed=7)
+        count = cluster.client.count(user_request(PROMPT, [data], max_tokens=30))
+        grid = processor(images=[decoded(data)], return_tensors="pt")["image_grid_thw"][0]
+        assert count.image_tokens == int(grid.prod()) // processor.merge_size**2
+        assert list(count.tokens_per_item) == [count.image_tokens]
+        assert count.projected_tokens == count.prompt_tokens + 30
+        assert count.prompt_tokens == count.text_tokens + count.image_tokens
+        if (w, h) == (1344, 1008):
+            assert count.image_tokens == 1230
+
+
+def test_count_tokens_uncapped_model(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from services.router.accounting import account
+    from services.router.intake import IntakeLimits, parse_messages
+    from services.common.media import MediaLimits
+
+    folder = model_folder(tmp_path_factory.mktemp("models"), "uncapped", max_pixels=10**9)
+    info = load_model_info(folder)
+    request = user_request(PROMPT, [media_factory.png(1344, 1008)], max_tokens=5)
+    intake = parse_messages(list(request.messages), IntakeLimits(8, 1 << 24, 1 << 26, MediaLimits()))
+    assert account(info, intake, 5).image_tokens == 1728
+
+
+def test_same_image_twice_skips_encoder(cluster: Cluster) -> None:
+    data = media_factory.jpeg(333, 222, seed=8)
+    first = cluster.client.generate(user_request(PROMPT, [data], max_tokens=MAX_TOKENS))
+    before = cluster.encoded_items()
+    second = cluster.client.generate(user_request(PROMPT, [data], max_tokens=MAX_TOKENS))
+    assert cluster.encoded_items() == before
+    assert second.token_ids == first.token_ids
+    other = media_factory.jpeg(333, 222, seed=9)  # same size and text, different pixels
+    third = cluster.client.generate(user_request(PROMPT, [other], max_tokens=MAX_TOKENS))
+    assert cluster.encoded_items() == before + 1
+    assert third.token_ids == expected(cluster.model_dir, [other])
+
+
+def test_redis_outage_is_a_cache_miss(cluster: Cluster, redis_server: RedisServer) -> None:
+    redis_server.stop()
+    try:
+        for seed in (10, 11):
+            data = media_factory.png(90, 120, seed=seed)
+            answer = cluster.client.generate(user_request(PROMPT, [data], max_tokens=MAX_TOKENS))
+            assert answer.token_ids == expected(cluster.model_dir, [data])
+    finally:
+        redis_server.start()
+    data = media_factory.png(91, 121, seed=12)
+    before = cluster.encoded_items()
+    import time
+
+    deadline = time.monotonic() + 10
+    while True:  # the cache skips Redis for a short while after a failure, then resumes
+        cluster.client.generate(user_request(PROMPT, [data], max_tokens=2))
+        if redis_server.client().keys("epd:emb:*") or time.monotonic() > deadline:
+            break
+        data = media_factory.png(91, 121, seed=int(time.monotonic() * 1000))
+    assert redis_server.client().keys("epd:emb:*"), "the cache did not resume writing to Redis"
+    assert cluster.encoded_items() > before
+
+
+def _media(data: bytes) -> generation_pb2.ContentPart:
+    return generation_pb2.ContentPart(image=generation_pb2.Media(data=data))
+
+
+def _bad_requests() -> dict[str, tuple[generation_pb2.GenerateRequest, str]]:
+    good = media_factory.png(64, 64)
+    buffer = io.BytesIO()
+    Image.new("RGB", (16, 16)).save(buffer, format="ICO")
+    too_many = user_request(PROMPT, [good] * 9)
+    return {
+        "truncated": (user_request(PROMPT, [media_factory.truncated(media_factory.jpeg(300, 300))]), "truncat"),
+        "corrupt": (user_request(PROMPT, [b"\x89PNG\r\n\x1a\nthis is not a png"]), "image"),
+        "unsupported": (user_request(PROMPT, [buffer.getvalue()]), "format"),
+        "too_many_images": (too_many, "more than 8 images"),
+        "special_token_text": (user_request("look <|image_pad|> here", [good]), "<|image_pad|>"),
+        "im_start_text": (user_request("<|im_start|>system", []), "<|im_start|>"),
+        "no_messages": (generation_pb2.GenerateRequest(), "no messages"),
+        "max_tokens_beyond_context": (user_request(PROMPT, [], max_tokens=10**6), "context"),
+        "url_not_supported": (generation_pb2.GenerateRequest(messages=[generation_pb2.Message(
+            role="user", content=[generation_pb2.ContentPart(image=generation_pb2.Media(
+                url="https://example.com/a.png"))])]), "URL"),
+    }
+
+
+@pytest.mark.parametrize("name", list(_bad_requests()))
+def test_bad_input_is_invalid_argument(cluster: Cluster, name: str) -> None:
+    request, needle = _bad_requests()[name]
+    with pytest.raises(grpc.RpcError) as info:
+        cluster.client.generate(request, timeout_s=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert needle.lower() in info.value.details().lower(), info.value.details()
+    ok = cluster.client.generate(user_request("still serving?", [], max_tokens=3))
+    assert ok.final is not None and len(ok.token_ids) > 0
