@@ -1,0 +1,92 @@
+"""The one block-hash function shared by the router and the worker.
+
+A prompt is cut into blocks of ``block_size`` tokens. Each full block gets a sha256 chained over
+``(parent hash, token ids, extra keys)`` starting from a fixed root. The extra keys are
+``(mm_hash, offset in item)`` for every media item overlapping the block, so two prompts with the same
+placeholder tokens but different images never share the blocks from that image on; ``cache_salt`` is
+folded into block 0 only, so different tenants share nothing. Fields are length-prefixed; Python's
+``hash()`` is never used, so every process computes the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+HASH_SCHEME = b"epd-block-hash-v1"
+ROOT_HASH: bytes = hashlib.sha256(HASH_SCHEME).digest()
+
+
+@dataclass(frozen=True)
+class MediaSpan:
+    """Where a media item sits in the prompt: its placeholder tokens ``[offset, offset + num_tokens)``."""
+
+    mm_hash: str
+    offset: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class ExtraKey:
+    """A media item overlapping a block, and the index inside the item where the overlap starts."""
+
+    mm_hash: str
+    offset_in_item: int
+
+
+def _field(data: bytes) -> bytes:
+    return struct.pack("<Q", len(data)) + data
+
+
+def block_extra_keys(start: int, end: int, media: Sequence[MediaSpan]) -> list[ExtraKey]:
+    """Extra keys for the block of tokens ``[start, end)``: one per overlapping media item, in order."""
+    keys = []
+    for item in media:
+        item_end = item.offset + item.num_tokens
+        if item.offset < end and start < item_end:
+            keys.append(ExtraKey(item.mm_hash, max(start - item.offset, 0)))
+    return keys
+
+
+def hash_block(parent: bytes, token_ids: Sequence[int], extra_keys: Sequence[ExtraKey], cache_salt: str = "") -> bytes:
+    """sha256 of one block chained to ``parent``; pass ``cache_salt`` for block 0 only."""
+    h = hashlib.sha256()
+    h.update(_field(parent))
+    h.update(_field(struct.pack(f"<{len(token_ids)}I", *token_ids)))
+    h.update(struct.pack("<Q", len(extra_keys)))
+    for key in extra_keys:
+        h.update(_field(key.mm_hash.encode()))
+        h.update(struct.pack("<Q", key.offset_in_item))
+    h.update(_field(cache_salt.encode()))
+    return h.digest()
+
+
+def extend_block_hashes(
+    hashes: list[bytes],
+    token_ids: Sequence[int],
+    block_size: int,
+    media: Sequence[MediaSpan] = (),
+    cache_salt: str = "",
+) -> list[bytes]:
+    """Append to ``hashes`` the hashes of the full blocks of ``token_ids`` not hashed yet; returns it.
+
+    ``hashes`` holds the hashes of the first ``len(hashes)`` blocks of the same token list, so a
+    sequence that grows by decoding hashes each block once.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    for index in range(len(hashes), len(token_ids) // block_size):
+        start, end = index * block_size, (index + 1) * block_size
+        parent = hashes[-1] if hashes else ROOT_HASH
+        keys = block_extra_keys(start, end, media)
+        hashes.append(hash_block(parent, token_ids[start:end], keys, cache_salt if index == 0 else ""))
+    return hashes
+
+
+def prompt_block_hashes(
+    token_ids: Sequence[int], block_size: int, media: Sequence[MediaSpan] = (), cache_salt: str = ""
+) -> list[bytes]:
+    """Hashes of every full block of a prompt (a trailing partial block has none)."""
+    return extend_block_hashes([], token_ids, block_size, media, cache_salt)

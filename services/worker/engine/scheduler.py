@@ -1,0 +1,148 @@
+"""Continuous batching under one token budget per step (no prefill or decode phase)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Container
+from dataclasses import dataclass, field
+
+from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.reservation import ReservationLedger
+from services.worker.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens ``[start, start + num_tokens)`` of ``seq`` computed this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when the chunk reaches the sequence's last token, so a new token is sampled."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    """Picks, each step, which tokens of which sequences the model computes.
+
+    Invariant: every live sequence is in exactly one of ``waiting`` (no blocks held) or ``running``
+    (blocks covering its computed tokens); every sequence in ``running`` holds a reservation in the
+    ledger; ``len(running) <= max_num_seqs``. Each step, running sequences catch up first, in order,
+    then waiting ones are admitted, all under ``max_num_batched_tokens``; a media item's tokens are
+    scheduled only once its embedding is in ``embeddings``, text before it may go ahead.
+    """
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, embeddings: Container[str]) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.ledger = ReservationLedger(block_manager, config.overcommit)
+        self.embeddings = embeddings
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take ``seq`` out of the queues and give back its blocks and reservation."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.deallocate(seq)
+        self.ledger.release(seq.request_id)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
+            if num_new == 0 or not self._make_room(seq, seq.num_computed_tokens + num_new, out):
+                continue
+            self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+            budget -= num_new
+        if not out.preempted:
+            self._admit_waiting(budget, out)
+        return out
+
+    def update(self, out: SchedulerOutput) -> None:
+        """After the model ran: the scheduled tokens are computed; publish newly full blocks."""
+        for chunk in out.chunks:
+            chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            self.block_manager.cache_full_blocks(chunk.seq)
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        admit_unreserved = True
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if seq.request_id not in self.ledger:
+                if not admit_unreserved:
+                    continue
+                if not self.ledger.reserve(seq.request_id, seq.max_num_blocks):
+                    admit_unreserved = False  # first come first served among unreserved requests
+                    continue
+            hit = self.block_manager.find_prefix(seq)
+            num_new = self._num_new_tokens(seq, hit.num_tokens, budget)
+            if num_new == 0:
+                continue  # its first uncached tokens wait for an embedding
+            num_tokens = hit.num_tokens + num_new
+            if not self.block_manager.can_allocate(seq, num_tokens, hit):
+                return  # only when overcommitted: wait for running requests to free blocks
+            self.block_manager.allocate(seq, num_tokens, hit)
+            seq.num_computed_tokens = hit.num_tokens
+            if not seq.prefix_looked_up:
+                seq.num_cached_tokens = hit.num_tokens
+                seq.prefix_looked_up = True
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            seq.status = SequenceStatus.RUNNING
+            out.chunks.append(ScheduledChunk(seq, hit.num_tokens, num_new))
+            budget -= num_new
+
+    def _num_new_tokens(self, seq: Sequence, num_computed: int, budget: int) -> int:
+        limit = seq.first_blocked_offset(num_computed, self.embeddings)
+        return max(min(limit - num_computed, budget), 0)
+
+    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Preempt the latest running sequences until ``seq`` fits; False if ``seq`` itself went."""
+        while not self.block_manager.can_allocate(seq, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute later: free the blocks, keep the tokens and the reservation."""
+        self.running.remove(seq)
+        self.block_manager.deallocate(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1

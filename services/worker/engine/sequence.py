@@ -1,0 +1,121 @@
+"""A request's life inside the engine: tokens, computed tokens, blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Container
+from enum import Enum, auto
+
+import torch
+
+from services.common.block_hash import MediaSpan, extend_block_hashes
+from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """Prompt plus generated tokens of one request.
+
+    ``num_computed_tokens`` tokens have their K/V in the blocks of ``block_table`` (which may cover a
+    few more slots, scheduled this step); the model catches up with ``num_tokens`` chunk by chunk.
+    ``block_hashes`` holds the chained hashes of the full blocks of ``token_ids`` computed so far.
+    """
+
+    def __init__(self, request: EngineRequest, block_size: int, hash_blocks: bool) -> None:
+        self.request_id: str = request.request_id
+        self.token_ids: list[int] = list(request.token_ids)
+        self.num_prompt_tokens: int = len(self.token_ids)
+        self.media: list[MediaInput] = list(request.media)
+        self.sampling: SamplingOptions = request.sampling
+        self.cache_salt: str = request.cache_salt
+        self.block_size = block_size
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.prefix_looked_up = False
+        self.block_table: list[int] = []
+        self.num_registered_blocks = 0
+        self.finish_reason: str | None = None
+        self.positions: torch.Tensor | None = None
+        self.generator: torch.Generator | None = None
+        self._spans = [MediaSpan(m.mm_hash, m.offset, m.num_tokens) for m in self.media]
+        self._hash_blocks = hash_blocks
+        self.block_hashes: list[bytes] = []
+        self.update_block_hashes()
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Prompt plus the most tokens it may generate: what its reservation covers."""
+        return self.num_prompt_tokens + self.sampling.max_tokens
+
+    @property
+    def max_num_blocks(self) -> int:
+        return -(-self.max_num_tokens // self.block_size)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def block_tokens(self, index: int) -> list[int]:
+        """Token ids of block ``index``."""
+        return self.token_ids[index * self.block_size : (index + 1) * self.block_size]
+
+    def update_block_hashes(self) -> None:
+        """Hash the full blocks not hashed yet (no-op without prefix caching)."""
+        if self._hash_blocks:
+            hashes, size = self.block_hashes, self.block_size
+            extend_block_hashes(hashes, self.token_ids, size, self._spans, self.cache_salt)
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        if len(self.token_ids) % self.block_size == 0:
+            self.update_block_hashes()
+
+    def first_blocked_offset(self, num_computed: int, has_embedding: Container[str]) -> int:
+        """How far computation from ``num_computed`` may go: up to the first media item still needed
+        whose embedding is not in ``has_embedding``, else to the end."""
+        for item in self.media:
+            if item.offset + item.num_tokens > num_computed and item.mm_hash not in has_embedding:
+                return max(item.offset, num_computed)
+        return self.num_tokens
+
+    def missing_embeddings(self, has_embedding: Container[str]) -> list[str]:
+        """Media items not computed yet whose embedding has not arrived."""
+        return [
+            item.mm_hash
+            for item in self.media
+            if item.offset + item.num_tokens > self.num_computed_tokens and item.mm_hash not in has_embedding
+        ]
+
+    def stop_reason(self, eos_token_ids: frozenset[int]) -> str | None:
+        """Why the sequence stops after its last token, or None to go on."""
+        last = self.token_ids[-1]
+        if not self.sampling.ignore_eos and last in eos_token_ids:
+            return "stop"
+        if last in self.sampling.stop_token_ids:
+            return "stop"
+        if len(self.token_ids) - self.num_prompt_tokens >= self.sampling.max_tokens:
+            return "length"
+        return None
+
+    def reset_for_recompute(self) -> None:
+        """After preemption: no blocks, nothing computed; tokens and hashes stay."""
+        self.block_table = []
+        self.num_computed_tokens = 0
+        self.num_registered_blocks = 0
+        self.status = SequenceStatus.WAITING

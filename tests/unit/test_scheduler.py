@@ -1,0 +1,187 @@
+"""Scheduler: one token budget, running first, chunked prefill, embedding gating, reservations."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions
+from services.worker.engine.scheduler import Scheduler, SchedulerOutput
+from services.worker.engine.sequence import Sequence
+
+BLOCK = 4
+
+
+def make_scheduler(num_blocks: int = 64, embeddings: set[str] | None = None, **overrides: object) -> Scheduler:
+    config = EngineConfig(block_size=BLOCK, **{"max_num_batched_tokens": 16, "max_num_seqs": 8, **overrides})
+    bm = BlockManager(num_blocks, BLOCK, config.enable_prefix_caching)
+    return Scheduler(config, bm, embeddings if embeddings is not None else set())
+
+
+def make_seq(
+    request_id: str, prompt: list[int], max_tokens: int = 4, media: list[MediaInput] | None = None
+) -> Sequence:
+    request = EngineRequest(request_id, prompt, media or [], SamplingOptions(max_tokens=max_tokens))
+    return Sequence(request, BLOCK, hash_blocks=True)
+
+
+def fake_token(seq: Sequence) -> int:
+    """A deterministic 'model': the next token depends on the whole token list only."""
+    return (sum(seq.token_ids) * 31 + len(seq.token_ids)) % 50 + 10
+
+
+def step(sched: Scheduler) -> SchedulerOutput:
+    """One engine step without a model: schedule, mark computed, sample, finish."""
+    out = sched.schedule()
+    assert out.num_tokens <= sched.config.max_num_batched_tokens
+    assert len(sched.running) <= sched.config.max_num_seqs
+    for chunk in out.chunks:  # every scheduled token has a slot
+        assert len(chunk.seq.block_table) * BLOCK >= chunk.start + chunk.num_tokens
+    sched.update(out)
+    for chunk in out.chunks:
+        if chunk.samples:
+            chunk.seq.append_token(fake_token(chunk.seq))
+            reason = chunk.seq.stop_reason(frozenset())
+            if reason:
+                sched.finish(chunk.seq, reason)
+    return out
+
+
+def run_all(sched: Scheduler, max_steps: int = 2000) -> int:
+    steps = 0
+    while sched.has_work():
+        step(sched)
+        steps += 1
+        assert steps < max_steps, "no progress"
+    return steps
+
+
+def test_chunked_prefill_then_decode() -> None:
+    sched = make_scheduler()
+    seq = make_seq("a", list(range(40)), max_tokens=3)
+    sched.add(seq)
+    sizes = [[c.num_tokens for c in step(sched).chunks] for _ in range(5)]
+    assert sizes == [[16], [16], [8], [1], [1]]
+    assert seq.is_finished and len(seq.output_token_ids) == 3
+
+
+def test_running_first_then_waiting_under_one_budget() -> None:
+    sched = make_scheduler(max_num_batched_tokens=10)
+    a, b = make_seq("a", list(range(6)), max_tokens=8), make_seq("b", list(range(30)), max_tokens=2)
+    sched.add(a)
+    step(sched)  # a prefilled
+    sched.add(b)
+    out = step(sched)
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 9)]
+    out = step(sched)
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 9)]
+
+
+def test_media_waits_for_its_embedding_text_before_goes_ahead() -> None:
+    ready: set[str] = set()
+    sched = make_scheduler(embeddings=ready, max_num_batched_tokens=64)
+    seq = make_seq("a", [1] * 10 + [99] * 8 + [2] * 5, max_tokens=2, media=[MediaInput("img", 10, 8, (1, 4, 8))])
+    sched.add(seq)
+    assert [c.num_tokens for c in step(sched).chunks] == [10]
+    assert step(sched).chunks == [] and seq.missing_embeddings(ready) == ["img"]
+    ready.add("img")
+    assert [c.num_tokens for c in step(sched).chunks] == [13]
+    assert seq.missing_embeddings(ready) == []
+
+
+def test_request_starting_with_media_does_not_block_others() -> None:
+    sched = make_scheduler()
+    blocked = make_seq("img", [99] * 8 + [1], media=[MediaInput("x", 0, 8)])
+    sched.add(blocked)
+    sched.add(make_seq("text", [1, 2, 3]))
+    out = step(sched)
+    assert [c.seq.request_id for c in out.chunks] == ["text"] and list(sched.waiting) == [blocked]
+
+
+def test_max_num_seqs_caps_running() -> None:
+    sched = make_scheduler(max_num_seqs=2, max_num_batched_tokens=100)
+    for i in range(4):
+        sched.add(make_seq(f"r{i}", [i] * 5))
+    step(sched)
+    assert len(sched.running) == 2 and len(sched.waiting) == 2
+
+
+def test_prefix_cache_hit_sets_cached_tokens_and_same_tokens() -> None:
+    sched = make_scheduler(max_num_batched_tokens=64)
+    first = make_seq("a", list(range(21)), max_tokens=5)
+    sched.add(first)
+    run_all(sched)
+    second = make_seq("b", list(range(21)), max_tokens=5)
+    sched.add(second)
+    out = step(sched)
+    assert second.num_cached_tokens == 20 and out.chunks[0].num_tokens == 1
+    run_all(sched)
+    assert second.output_token_ids == first.output_token_ids
+
+
+def test_reservation_accounting() -> None:
+    sched = make_scheduler(num_blocks=10)
+    ledger = sched.ledger
+    assert ledger.reserve("x", 6) and ledger.reserved_blocks == 6
+    assert not ledger.can_reserve(5) and ledger.can_reserve(4)
+    assert not ledger.reserve("y", 5)
+    ledger.release("x")
+    assert ledger.reserved_blocks == 0
+
+
+def test_sharing_a_running_prefix_costs_less() -> None:
+    sched = make_scheduler(num_blocks=32, max_num_batched_tokens=64)
+    a = make_seq("a", list(range(17)), max_tokens=3)  # 20 tokens: 5 blocks
+    sched.add(a)
+    step(sched)
+    assert sched.ledger.reserved_blocks == 5
+    sched.add(make_seq("b", list(range(17)), max_tokens=3))
+    step(sched)
+    assert sched.ledger.reserved_blocks == 6  # b shares a's 4 full prompt blocks: 5 + 5 - 4
+
+
+def test_unreserved_request_waits_for_room() -> None:
+    sched = make_scheduler(num_blocks=6, max_num_batched_tokens=64)
+    a, b = make_seq("a", list(range(12)), max_tokens=8), make_seq("b", list(range(50, 62)), max_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    step(sched)
+    assert list(sched.waiting) == [b] and b.request_id not in sched.ledger
+    run_all(sched)
+    assert a.is_finished and b.is_finished and sched.num_preemptions == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    prompts=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 2)), min_size=1, max_size=12),
+    budget=st.integers(1, 48),
+    num_blocks=st.integers(14, 40),  # the longest request (41 + 12 tokens) fits alone
+    caching=st.booleans(),
+)
+def test_overcommit_one_never_preempts_and_frees_everything(
+    prompts: list[tuple[int, int, int]], budget: int, num_blocks: int, caching: bool
+) -> None:
+    sched = make_scheduler(num_blocks, max_num_batched_tokens=budget, enable_prefix_caching=caching)
+    for i, (length, max_tokens, family) in enumerate(prompts):
+        sched.add(make_seq(f"r{i}", [family] * length + [i], max_tokens))
+    run_all(sched)
+    bm = sched.block_manager
+    assert sched.num_preemptions == 0
+    assert bm.num_free_blocks == bm.num_blocks and sched.ledger.reserved_blocks == 0
+
+
+def test_overcommit_preempts_by_recompute_with_same_result() -> None:
+    prompts = [(f"r{i}", [i % 3] * (10 + i), 12) for i in range(6)]
+    results = []
+    for overcommit, blocks in ((1.0, 60), (3.0, 12)):
+        sched = make_scheduler(blocks, max_num_batched_tokens=32, overcommit=overcommit)
+        seqs = [make_seq(rid, prompt, max_tokens) for rid, prompt, max_tokens in prompts]
+        for seq in seqs:
+            sched.add(seq)
+        run_all(sched)
+        results.append([s.output_token_ids for s in seqs])
+        assert sched.block_manager.num_free_blocks == blocks
+        assert (sched.num_preemptions > 0) == (overcommit > 1)
+    assert results[0] == results[1]
