@@ -8,6 +8,7 @@ worker's encoder may have filled it) and raises TimeoutError at the deadline, ne
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import torch
@@ -39,7 +40,5 @@ class EmbeddingStore:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(f"embedding {mm_hash[:16]} not received within {timeout_s:.1f}s")
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), min(remaining, POLL_S))
-            except TimeoutError:
-                pass
