@@ -1,0 +1,68 @@
+"""Reading the non-weight parts of a Hugging Face model folder (config, tokenizer, processor, eos ids).
+
+Everything is read from the local folder only (`local_files_only=True`): a folder that lacks a file
+fails here with the loader's error instead of reaching for a model hub.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class FolderParts:
+    """The parts of a model folder an adapter needs before (or without) loading weights."""
+
+    model_dir: Path
+    config: Any
+    tokenizer: Any
+    image_processor: Any
+    eos_token_ids: list[int]
+
+
+def read_model_type(model_dir: Path) -> str:
+    """`model_type` from the folder's config.json (cheap: no transformers import)."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{model_dir} is not a model folder: config.json is missing")
+    config = json.loads(path.read_text(encoding="utf-8"))
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ValueError(f"{path} has no model_type")
+    return model_type
+
+
+def load_folder_parts(model_dir: Path) -> FolderParts:
+    """Load config, tokenizer and image processor from `model_dir`, and collect its eos token ids.
+
+    Eos ids come from generation_config.json when present (the list `generate` stops on), else from
+    the text config; duplicates are dropped, order kept.
+    """
+    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer, GenerationConfig
+
+    model_dir = Path(model_dir)
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    image_processor = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
+    eos: Any = None
+    if (model_dir / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id
+    if eos is None:
+        eos = config.get_text_config().eos_token_id
+    return FolderParts(
+        model_dir=model_dir,
+        config=config,
+        tokenizer=tokenizer,
+        image_processor=image_processor,
+        eos_token_ids=_id_list(eos),
+    )
+
+
+def _id_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    values = [value] if isinstance(value, int) else list(value)
+    return list(dict.fromkeys(int(v) for v in values))

@@ -1,0 +1,54 @@
+"""Family-independent prompt helpers: special-token screening and placeholder expansion.
+
+A family adapter renders its chat template with ONE placeholder token per media item, tokenizes,
+then `expand_placeholders` widens each placeholder to the item's token count and records where it
+landed. Expanding at the id level equals expanding in text and tokenizing, because placeholders are
+added tokens (the tokenizer splits on them before any merge).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from services.models.base import BuiltPrompt, ChatMessage, ItemTokens, MediaSpan, PromptError
+
+
+def check_no_special_text(messages: list[ChatMessage], special_tokens: Iterable[str]) -> None:
+    """Raise PromptError when any role or text part contains a special/added token's text.
+
+    The error names the first offending token and the index of the message holding it.
+    """
+    tokens = sorted({tok for tok in special_tokens if tok}, key=lambda tok: (-len(tok), tok))
+    for index, message in enumerate(messages):
+        texts = [message.role, *(part.text for part in message.parts if part.kind == "text")]
+        for text in texts:
+            for token in tokens:
+                if token in text:
+                    raise PromptError(f"message {index} contains the reserved token {token!r}")
+
+
+def count_image_parts(messages: list[ChatMessage]) -> int:
+    """Number of image parts over the whole conversation."""
+    return sum(1 for message in messages for part in message.parts if part.kind == "image")
+
+
+def expand_placeholders(token_ids: list[int], placeholder_id: int, items: list[ItemTokens]) -> BuiltPrompt:
+    """Replace the i-th occurrence of `placeholder_id` with `items[i].num_tokens` copies of it.
+
+    Raises PromptError when the number of placeholders differs from the number of items.
+    """
+    out: list[int] = []
+    spans: list[MediaSpan] = []
+    for token in token_ids:
+        if token != placeholder_id:
+            out.append(token)
+            continue
+        if len(spans) >= len(items):
+            raise PromptError(f"the prompt has more image placeholders than the {len(items)} items given")
+        count = items[len(spans)].num_tokens
+        spans.append(MediaSpan(offset=len(out), length=count))
+        out.extend([placeholder_id] * count)
+    if len(spans) != len(items):
+        raise PromptError(f"the prompt has {len(spans)} image placeholders but {len(items)} items were given")
+    media = sum(span.length for span in spans)
+    return BuiltPrompt(token_ids=out, spans=spans, text_tokens=len(out) - media, media_tokens=media)

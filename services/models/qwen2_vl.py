@@ -1,0 +1,245 @@
+"""Model adapter for Qwen2-VL and Qwen2.5-VL (transformers `qwen2_vl` / `qwen2_5_vl`).
+
+Both families share the image processor (Qwen2VLImageProcessor), the chat template conventions
+(`<|vision_start|><|image_pad|><|vision_end|>` per image), the M-RoPE rule for images and the module
+layout `model.model.{visual, language_model}` + `model.lm_head`; Qwen2.5-VL only differs inside the
+vision tower (window attention), which `get_image_features` hides.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from services.models import mrope
+from services.models.base import (
+    BuiltPrompt,
+    ChatMessage,
+    ItemTokens,
+    PixelInputs,
+    PlacedEmbedding,
+    PlacedItem,
+    Positions,
+    PromptError,
+)
+from services.models.loading import load_folder_parts
+from services.models.prompt import check_no_special_text, count_image_parts, expand_placeholders
+from services.models.qwen2_vl_resize import smart_resize
+
+
+class Qwen2VLAdapter:
+    """Adapter for one Qwen2-VL / Qwen2.5-VL model folder.
+
+    Holds config, tokenizer and image processor (never the weights: `load_model` returns them to the
+    caller, who passes the model back into the compute methods). Stateless between calls, so one
+    instance may serve many threads. Invariant: `image_tokens(w, h)` equals the token count the saved
+    image processor produces for a w x h image.
+    """
+
+    def __init__(self, model_dir: Path, config: Any, tokenizer: Any, image_processor: Any, eos: list[int]) -> None:
+        self.model_dir = Path(model_dir)
+        self.config = config
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.model_type: str = config.model_type
+        self.image_token_id: int = int(config.image_token_id)
+        self.eos_token_ids: list[int] = eos
+        self.max_context: int = int(config.text_config.max_position_embeddings)
+        self.hidden_size: int = int(config.text_config.hidden_size)
+        vision = config.vision_config
+        self.patch_size: int = int(vision.patch_size)
+        self.merge_size: int = int(vision.spatial_merge_size)
+        self.temporal_patch_size: int = int(vision.temporal_patch_size)
+        self._check_processor_matches_model()
+        self._special_tokens = sorted(set(tokenizer.added_tokens_encoder) | set(tokenizer.all_special_tokens))
+
+    @classmethod
+    def from_folder(cls, model_dir: Path) -> Qwen2VLAdapter:
+        """Read config, tokenizer, image processor and eos ids from `model_dir` (no weights)."""
+        parts = load_folder_parts(Path(model_dir))
+        return cls(parts.model_dir, parts.config, parts.tokenizer, parts.image_processor, parts.eos_token_ids)
+
+    # ----- accounting (router) -----
+
+    def processor_settings(self) -> dict[str, Any]:
+        """Canonical JSON-able dict of every image processor setting that changes its output."""
+        ip = self.image_processor
+        return {
+            "image_processor_type": type(ip).__name__.removesuffix("Pil"),
+            "do_convert_rgb": bool(ip.do_convert_rgb),
+            "do_resize": bool(ip.do_resize),
+            "min_pixels": int(ip.size.shortest_edge),
+            "max_pixels": int(ip.size.longest_edge),
+            "resample": int(ip.resample),
+            "do_rescale": bool(ip.do_rescale),
+            "rescale_factor": float(ip.rescale_factor),
+            "do_normalize": bool(ip.do_normalize),
+            "image_mean": [float(v) for v in ip.image_mean],
+            "image_std": [float(v) for v in ip.image_std],
+            "patch_size": int(ip.patch_size),
+            "temporal_patch_size": int(ip.temporal_patch_size),
+            "merge_size": int(ip.merge_size),
+        }
+
+    def image_tokens(self, width: int, height: int) -> ItemTokens:
+        """Tokens, vision grid and resized size of a width x height image, without running the processor."""
+        size = self.image_processor.size
+        resized_h, resized_w = smart_resize(
+            height,
+            width,
+            factor=self.patch_size * self.merge_size,
+            min_pixels=int(size.shortest_edge),
+            max_pixels=int(size.longest_edge),
+        )
+        grid = (1, resized_h // self.patch_size, resized_w // self.patch_size)
+        return ItemTokens(
+            num_tokens=mrope.item_length(grid, self.merge_size),
+            grid_thw=grid,
+            resized_height=resized_h,
+            resized_width=resized_w,
+        )
+
+    def build_prompt(self, messages: list[ChatMessage], items: list[ItemTokens]) -> BuiltPrompt:
+        """Render the chat template (with the generation prompt), expand image placeholders, tokenize.
+
+        Raises PromptError when user text holds a special token, or image parts and items disagree.
+        """
+        if not messages:
+            raise PromptError("a prompt needs at least one message")
+        check_no_special_text(messages, self._special_tokens)
+        images = count_image_parts(messages)
+        if images != len(items):
+            raise PromptError(f"the messages hold {images} image parts but {len(items)} items were given")
+        conversation = [
+            {
+                "role": message.role,
+                "content": [
+                    {"type": "image"} if part.kind == "image" else {"type": "text", "text": part.text}
+                    for part in message.parts
+                ],
+            }
+            for message in messages
+        ]
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return expand_placeholders(list(ids), self.image_token_id, items)
+
+    # ----- vision (encoder) -----
+
+    def load_model(self, device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+        """The full transformers model (vision tower, projector, language model, head) in eval mode."""
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_pretrained(self.model_dir, dtype=dtype, local_files_only=True)
+        model = model.to(device)
+        model.eval()
+        model.requires_grad_(False)
+        return model
+
+    def preprocess(self, image: Image.Image) -> PixelInputs:
+        """Resize, normalise and patchify one RGB, already-oriented image with the saved processor."""
+        expected = self.image_tokens(image.width, image.height)
+        out = self.image_processor(images=[image], return_tensors="pt")
+        grid = tuple(int(v) for v in out["image_grid_thw"][0].tolist())
+        if grid != expected.grid_thw:
+            raise RuntimeError(f"processor grid {grid} differs from the resize rule's {expected.grid_thw}")
+        return PixelInputs(pixel_values=out["pixel_values"], grid_thw=expected.grid_thw)
+
+    def encode(self, model: torch.nn.Module, items: list[PixelInputs]) -> list[torch.Tensor]:
+        """One vision forward for all items; returns one `[num_tokens_i, hidden]` tensor per item."""
+        if not items:
+            return []
+        param = next(model.parameters())
+        pixels = torch.cat([item.pixel_values for item in items]).to(param.device)
+        grids = torch.tensor([item.grid_thw for item in items], dtype=torch.long, device=param.device)
+        with torch.no_grad():
+            features = model.model.get_image_features(pixels, grids).pooler_output
+        out = list(features)
+        for index, (item, rows) in enumerate(zip(items, out, strict=True)):
+            expected = mrope.item_length(item.grid_thw, self.merge_size)
+            if rows.shape != (expected, self.hidden_size):
+                raise RuntimeError(f"item {index}: vision output {tuple(rows.shape)}, expected {expected} rows")
+        return out
+
+    # ----- language model (worker) -----
+
+    def embed_prompt(
+        self, model: torch.nn.Module, token_ids: torch.Tensor, placed: list[PlacedEmbedding]
+    ) -> torch.Tensor:
+        """Input embeddings `[L, hidden]` for 1-D `token_ids`, with each placed embedding's rows swapped in.
+
+        Raises ValueError when a placed embedding runs past the ids or covers a non-image token.
+        """
+        if token_ids.dim() != 1:
+            raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
+        embed = model.model.get_input_embeddings()
+        ids = token_ids.to(embed.weight.device)
+        with torch.no_grad():
+            rows = embed(ids)
+        for index, item in enumerate(placed):
+            count = item.embedding.shape[0]
+            end = item.offset + count
+            if item.offset < 0 or end > ids.shape[0]:
+                raise ValueError(f"placed embedding {index} spans {item.offset}..{end}, outside {ids.shape[0]} ids")
+            if bool((ids[item.offset : end] != self.image_token_id).any()):
+                raise ValueError(f"placed embedding {index} covers tokens that are not image placeholders")
+            rows[item.offset : end] = item.embedding.to(device=rows.device, dtype=rows.dtype)
+        return rows
+
+    def prompt_positions(
+        self, model: torch.nn.Module | None, token_ids: list[int], items: list[PlacedItem]
+    ) -> Positions:
+        """M-RoPE positions `[3, L]` of a whole prompt (the same numbers `generate` uses).
+
+        A pure computation (see `mrope`); `model`, when given, only chooses the device of the result.
+        Raises ValueError when items are out of order, overlap, do not cover exactly the image tokens.
+        """
+        covered = 0
+        for index, item in enumerate(items):
+            length = mrope.item_length(item.grid_thw, self.merge_size)
+            span = token_ids[item.offset : item.offset + length]
+            if len(span) != length or any(tok != self.image_token_id for tok in span):
+                raise ValueError(f"item {index} at offset {item.offset} does not cover {length} image tokens")
+            covered += length
+        if token_ids.count(self.image_token_id) != covered:
+            raise ValueError("the prompt holds image tokens that no item covers")
+        positions = mrope.mrope_positions(len(token_ids), items, self.merge_size)
+        if model is None:
+            return positions
+        device = next(model.parameters()).device
+        return Positions(positions=positions.positions.to(device), rope_delta=positions.rope_delta)
+
+    def decode_positions(self, start: int, count: int, rope_delta: int) -> torch.Tensor:
+        """Positions `[3, count]` of tokens at indices start.. (index + rope_delta on all three axes)."""
+        return mrope.decode_positions(start, count, rope_delta)
+
+    def forward_hidden(
+        self, model: torch.nn.Module, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, **kwargs: Any
+    ) -> torch.Tensor:
+        """Language model over `inputs_embeds [1, T, H]` at `position_ids [3, 1, T]`; returns `[1, T, H]`.
+
+        Keyword arguments (cache, attention context, attention_mask) reach the model untouched;
+        `use_cache` defaults to False so that no throw-away cache is built when the caller passes none
+        (a cache given as `cache=` is still read and updated).
+        """
+        kwargs.setdefault("use_cache", False)
+        out = model.model.language_model(inputs_embeds=inputs_embeds, position_ids=position_ids, **kwargs)
+        return out.last_hidden_state
+
+    def compute_logits(self, model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits for hidden states (`[..., H]` to `[..., vocab]`) through `lm_head`."""
+        return model.lm_head(hidden)
+
+    def _check_processor_matches_model(self) -> None:
+        ip = self.image_processor
+        pairs = {
+            "patch_size": (int(ip.patch_size), self.patch_size),
+            "merge_size": (int(ip.merge_size), self.merge_size),
+            "temporal_patch_size": (int(ip.temporal_patch_size), self.temporal_patch_size),
+        }
+        for name, (saved, model_value) in pairs.items():
+            if saved != model_value:
+                raise ValueError(f"{self.model_dir}: image processor {name}={saved} but the model uses {model_value}")

@@ -1,0 +1,175 @@
+"""Build a tiny random Qwen2-VL / Qwen2.5-VL model folder offline and deterministically.
+
+The folder has the same files as a real checkpoint (config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json with the chat template, preprocessor_config.json, generation_config.json) and
+loads with `AutoConfig`, `AutoTokenizer`, `AutoImageProcessor` and `AutoModelForImageTextToText`.
+Invariants: the model's vocabulary equals `len(tokenizer)`; the same arguments give byte-identical
+files on every run (fixed corpus, seeded torch generator, sorted JSON).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from services.models.tiny_tokenizer import TinyTokenizerInfo, save_tokenizer
+
+DEFAULT_MIN_PIXELS = 56 * 56
+DEFAULT_MAX_PIXELS = 1280 * 28 * 28
+_VOCAB_TARGET = 1024
+_MAX_POSITIONS = 32768
+# Larger than a trained model's 0.02 so that greedy outputs depend visibly on every input (positions,
+# image rows): a wrong rotary index or a misplaced embedding changes the tokens, not just the 5th decimal.
+_INIT_RANGE = 0.2
+
+
+@dataclass(frozen=True)
+class _Family:
+    model_type: str
+    architecture: str
+
+
+_FAMILIES: dict[str, _Family] = {
+    "qwen2-vl": _Family("qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "qwen2.5-vl": _Family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+}
+
+TINY_FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
+
+
+def make_tiny_model(out_dir: Path, family: str, max_pixels: int | None = None, seed: int = 0) -> Path:
+    """Write a tiny random model folder for `family` ("qwen2-vl" or "qwen2.5-vl") into `out_dir`.
+
+    `max_pixels` caps the image processor's resize (default 1280*28*28, as the released models);
+    `seed` selects the random weights. Returns `out_dir`. Raises ValueError on an unknown family or a
+    `max_pixels` below the processor's minimum.
+    """
+    spec = _FAMILIES.get(family)
+    if spec is None:
+        raise ValueError(f"unknown tiny model family {family!r}; choose one of {', '.join(TINY_FAMILIES)}")
+    cap = DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
+    if cap < DEFAULT_MIN_PIXELS:
+        raise ValueError(f"max_pixels must be at least {DEFAULT_MIN_PIXELS}, got {cap}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    info = save_tokenizer(out_dir, _VOCAB_TARGET, _MAX_POSITIONS)
+    config = _model_config(spec, info)
+    _write_json(out_dir / "config.json", config)
+    _write_json(out_dir / "generation_config.json", _generation_config(info))
+    _write_json(out_dir / "preprocessor_config.json", _preprocessor_config(cap))
+    _write_weights(out_dir, config, seed)
+    return out_dir
+
+
+def _model_config(spec: _Family, info: TinyTokenizerInfo) -> dict[str, Any]:
+    ids = info.special_ids
+    text = {
+        "model_type": f"{spec.model_type}_text",
+        "vocab_size": info.vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_act": "silu",
+        "max_position_embeddings": _MAX_POSITIONS,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": _INIT_RANGE,
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+        # head_dim 16: the rotary half (8 frequencies) splits over the t, h, w axes.
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+        "dtype": "float32",
+    }
+    return {
+        "architectures": [spec.architecture],
+        "model_type": spec.model_type,
+        "text_config": text,
+        "vision_config": _vision_config(spec.model_type),
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "tie_word_embeddings": False,
+        "dtype": "float32",
+    }
+
+
+def _vision_config(model_type: str) -> dict[str, Any]:
+    common = {
+        "depth": 2,
+        "num_heads": 2,
+        "in_channels": 3,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "initializer_range": _INIT_RANGE,
+    }
+    if model_type == "qwen2_vl":
+        return {**common, "model_type": "qwen2_vl_vision", "embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2}
+    return {
+        **common,
+        "model_type": "qwen2_5_vl_vision",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "out_hidden_size": 64,
+        "hidden_act": "silu",
+        "window_size": 112,
+        "fullatt_block_indexes": [1],
+        "tokens_per_second": 2,
+    }
+
+
+def _generation_config(info: TinyTokenizerInfo) -> dict[str, Any]:
+    ids = info.special_ids
+    return {
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+        "pad_token_id": ids["<|endoftext|>"],
+        "do_sample": False,
+    }
+
+
+def _preprocessor_config(max_pixels: int) -> dict[str, Any]:
+    return {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "do_resize": True,
+        "do_rescale": True,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "resample": 3,
+        "rescale_factor": 1 / 255,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "size": {"shortest_edge": DEFAULT_MIN_PIXELS, "longest_edge": max_pixels},
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+    }
+
+
+def _write_weights(out_dir: Path, config: dict[str, Any], seed: int) -> None:
+    """Instantiate the model under a seeded generator and save its weights as one safetensors file."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    hf_config = AutoConfig.from_pretrained(out_dir)
+    fork_devices: list[int] = []
+    with torch.random.fork_rng(devices=fork_devices):
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(hf_config, dtype=torch.float32)
+    state = {name: tensor.detach().contiguous().clone() for name, tensor in model.state_dict().items()}
+    save_file(dict(sorted(state.items())), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    if config["text_config"]["vocab_size"] != model.lm_head.out_features:
+        raise RuntimeError("tiny model vocabulary does not match its tokenizer")
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -1,0 +1,1 @@
+"""Test suite package (lets tests import shared helpers such as `tests.oracle`)."""

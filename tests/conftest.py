@@ -1,0 +1,30 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Tests never reach a model hub: every model folder is built locally.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Small image cap keeps vision forwards cheap; still several hundred tokens for large images.
+TINY_TEST_MAX_PIXELS = 256 * 28 * 28
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen2-VL folder (max_pixels 256*28*28), built once per test session."""
+    from services.models.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-vl"), "qwen2-vl", max_pixels=TINY_TEST_MAX_PIXELS)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir_25(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen2.5-VL folder (max_pixels 256*28*28), built once per test session."""
+    from services.models.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2.5-vl"), "qwen2.5-vl", max_pixels=TINY_TEST_MAX_PIXELS)

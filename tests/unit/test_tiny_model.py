@@ -1,0 +1,132 @@
+"""Tiny model folders: deterministic, loadable offline by the Auto classes, vocabulary = tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.models.tiny_model import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, make_tiny_model
+from tests.conftest import TINY_TEST_MAX_PIXELS
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SPECIAL = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir()) if path.is_file()}
+
+
+def test_build_is_byte_identical_in_a_fresh_process(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # Another interpreter with another hash seed must produce exactly the session fixture's bytes.
+    script = (
+        "import sys; from pathlib import Path; from services.models.tiny_model import make_tiny_model; "
+        f"make_tiny_model(Path(sys.argv[1]), 'qwen2-vl', max_pixels={TINY_TEST_MAX_PIXELS})"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "HF_HUB_OFFLINE": "1"}
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, cwd=REPO_ROOT, env=env)
+    rebuilt, original = _files(tmp_path), _files(tiny_model_dir)
+    assert sorted(rebuilt) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "preprocessor_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    assert rebuilt == original
+
+
+def test_qwen25_build_is_byte_identical(tiny_model_dir_25: Path, tmp_path: Path) -> None:
+    make_tiny_model(tmp_path, "qwen2.5-vl", max_pixels=TINY_TEST_MAX_PIXELS)
+    assert _files(tmp_path) == _files(tiny_model_dir_25)
+
+
+def test_seed_changes_weights_only(tiny_model_dir: Path, tmp_path: Path) -> None:
+    make_tiny_model(tmp_path, "qwen2-vl", max_pixels=TINY_TEST_MAX_PIXELS, seed=1)
+    other, original = _files(tmp_path), _files(tiny_model_dir)
+    assert other["model.safetensors"] != original["model.safetensors"]
+    assert {k: v for k, v in other.items() if k != "model.safetensors"} == {
+        k: v for k, v in original.items() if k != "model.safetensors"
+    }
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_model_dir_25"])
+def test_loads_with_auto_classes_offline(fixture: str, request: pytest.FixtureRequest) -> None:
+    from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    folder: Path = request.getfixturevalue(fixture)
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"
+    config = AutoConfig.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    processor = AutoImageProcessor.from_pretrained(folder)
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    expected_type = "qwen2_vl" if fixture == "tiny_model_dir" else "qwen2_5_vl"
+    assert config.model_type == expected_type
+    assert type(model).__name__ == config.architectures[0]
+    assert config.text_config.vocab_size == len(tokenizer)
+    assert model.lm_head.out_features == len(tokenizer)
+    assert model.model.get_input_embeddings().num_embeddings == len(tokenizer)
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in SPECIAL}
+    assert config.image_token_id == ids["<|image_pad|>"]
+    assert config.video_token_id == ids["<|video_pad|>"]
+    assert config.vision_start_token_id == ids["<|vision_start|>"]
+    assert config.text_config.eos_token_id == ids["<|im_end|>"]
+    assert processor.size.shortest_edge == DEFAULT_MIN_PIXELS
+    assert processor.size.longest_edge == TINY_TEST_MAX_PIXELS
+    head_dim = config.text_config.hidden_size // config.text_config.num_attention_heads
+    assert sum(config.text_config.rope_parameters["mrope_section"]) * 2 == head_dim
+
+
+def test_default_processor_settings_are_saved(tmp_path: Path) -> None:
+    make_tiny_model(tmp_path, "qwen2-vl")
+    saved = json.loads((tmp_path / "preprocessor_config.json").read_text())
+    assert saved["size"] == {"shortest_edge": 56 * 56, "longest_edge": DEFAULT_MAX_PIXELS}
+    assert DEFAULT_MAX_PIXELS == 1280 * 28 * 28
+    assert (saved["patch_size"], saved["merge_size"], saved["temporal_patch_size"]) == (14, 2, 2)
+    generation = json.loads((tmp_path / "generation_config.json").read_text())
+    tokenizer = json.loads((tmp_path / "tokenizer.json").read_text())
+    added = {entry["content"]: entry["id"] for entry in tokenizer["added_tokens"]}
+    assert generation["eos_token_id"] == [added["<|im_end|>"], added["<|endoftext|>"]]
+
+
+def test_tokenizer_special_tokens_and_chat_template(tiny_model_dir: Path) -> None:
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    raw = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    text = "Describe the picture, please: 42 apples!\n<|vision_start|><|image_pad|><|vision_end|>  café"
+    assert tokenizer(text)["input_ids"] == raw.encode(text).ids
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    for tok in SPECIAL:
+        assert tokenizer(tok, add_special_tokens=False)["input_ids"] == [tokenizer.convert_tokens_to_ids(tok)]
+    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    rendered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert rendered == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is this?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    without = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False)
+    assert not without.endswith("<|im_start|>assistant\n")
+
+
+def test_rejects_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="llava-9"):
+        make_tiny_model(tmp_path, "llava-9")
+    with pytest.raises(ValueError, match="max_pixels"):
+        make_tiny_model(tmp_path, "qwen2-vl", max_pixels=100)
