@@ -30,10 +30,5 @@ async def start_role(role: str, config: ServiceConfig) -> Callable[[], Awaitable
         return running.stop
     from services.worker.server import start_worker
 
-    running, loop = await start_worker(config)
-
-    async def stop() -> None:
-        await running.stop()
-        loop.stop()
-
-    return stop
+    worker = await start_worker(config)
+    return worker.stop

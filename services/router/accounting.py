@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from services.common.hashing import mm_hash
 from services.common.model_info import ModelInfo
 from services.common.rpc.epd.v1 import common_pb2, generation_pb2
-from services.models.base import PromptError
+from services.models.base import ImageSizeError, PromptError
 from services.router.errors import invalid
 from services.router.intake import Intake
 
@@ -44,7 +44,10 @@ class Accounted:
 def account(info: ModelInfo, intake: Intake, max_tokens: int) -> Accounted:
     """Build the prompt and its media refs; INVALID_ARGUMENT if it cannot fit the model's context."""
     adapter = info.adapter
-    geometry = [adapter.image_tokens(item.header.width, item.header.height) for item in intake.items]
+    try:
+        geometry = [adapter.image_tokens(item.header.width, item.header.height) for item in intake.items]
+    except ImageSizeError as exc:
+        raise invalid(str(exc)) from exc
     try:
         prompt = adapter.build_prompt(intake.messages, geometry)
     except PromptError as exc:

@@ -101,12 +101,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                      sampling=sampling, cache_salt=request.cache_salt,
                                      embedding_timeout_s=min(timeout, self._config.encode_timeout_s)),
             timeout=timeout)
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise self._worker_error(worker, exc) from exc
+        if first is grpc.aio.EOF or not first.admitted:
+            raise unavailable(f"worker {worker} ended the stream before admitting the request")
         encode = asyncio.create_task(self._encode(request_id, accounted, worker, timeout))
         encode.add_done_callback(lambda task: task.cancelled() or task.exception() is None or call.cancel())
         detok = Detokenizer(self._info.adapter.tokenizer, list(sampling.stop))
         completion, first_token_s, reason, cached = 0, 0.0, "length", 0
         try:
-            async for response in call:
+            while (response := await call.read()) is not grpc.aio.EOF:
                 completion += len(response.token_ids)
                 first_token_s = first_token_s or time.perf_counter() - start
                 delta = detok.add(list(response.token_ids))

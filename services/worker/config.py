@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from services.common.config import ServiceConfig, require_positive
+from services.common.config import ConfigError, ServiceConfig, require_positive
 
 
 @dataclasses.dataclass
@@ -14,10 +14,15 @@ class WorkerConfig(ServiceConfig):
     block_size: int = dataclasses.field(default=16, metadata={"help": "tokens per KV block"})
     max_num_batched_tokens: int = dataclasses.field(default=2048, metadata={"help": "tokens per step"})
     max_num_seqs: int = dataclasses.field(default=64, metadata={"help": "sequences per step"})
+    overcommit: float = dataclasses.field(default=1.0, metadata={"help": "reservable blocks / total (>= 1)"})
+    enable_prefix_caching: bool = dataclasses.field(default=True, metadata={"help": "reuse cached KV blocks"})
+    heartbeat_interval_s: float = dataclasses.field(default=0.2, metadata={"help": "registry heartbeat"})
     embedding_timeout_s: float = dataclasses.field(default=60.0, metadata={"help": "wait per embedding"})
 
     def validate(self) -> None:
         super().validate()
+        if self.overcommit < 1.0:
+            raise ConfigError(f"EPD_OVERCOMMIT must be >= 1.0, got {self.overcommit}")
         for name in ("kv_cache_bytes", "block_size", "max_num_batched_tokens", "max_num_seqs",
                      "embedding_timeout_s"):
             require_positive(name, getattr(self, name))

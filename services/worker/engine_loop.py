@@ -8,6 +8,7 @@ finishes or is aborted, so no output is delivered after that.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -61,11 +62,35 @@ class EngineLoop:
             self._engine.abort(request_id)
         self._commands.put(abort)
 
-    def call(self, fn: Callable[[Any], Any]) -> Any:
-        """Run `fn(engine)` on the engine thread and return its result (blocking)."""
-        done: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._commands.put(lambda: done.put(fn(self._engine)))
-        return done.get(timeout=30)
+    def submit(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run `fn(engine)` on the engine thread; the future holds its result or exception."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn(self._engine))
+            except Exception as exc:  # handed to the caller, not the loop
+                future.set_exception(exc)
+        self._commands.put(run)
+        return future
+
+    def add_admitted(self, request: Any, projected_tokens: int, sink: Sink) -> concurrent.futures.Future:
+        """Reserve then add in one engine-thread command (atomic with respect to other admissions).
+
+        The future's result is True when admitted (the sink is registered), False when refused;
+        a request the engine rejects (ValueError) sets the exception and holds nothing.
+        """
+        def admit(engine: Any) -> bool:
+            if not engine.reserve(request.request_id, projected_tokens):
+                return False
+            try:
+                engine.add_request(request)
+            except Exception:
+                engine.release(request.request_id)
+                raise
+            self._sinks[request.request_id] = sink
+            return True
+        return self.submit(admit)
 
     def _drain(self, block: bool) -> None:
         try:

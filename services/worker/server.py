@@ -1,14 +1,18 @@
 """The worker service: token ids and media refs in, tokens streamed out.
 
-A request enters the engine at once; a task per media item fetches its embedding (pushed or
-cached) and hands it to the engine, which schedules media positions only once present. A
-cancelled or failed stream aborts the request in the engine, which frees what it holds.
+Generate admits first: reserve + add run as one engine-thread command, so concurrent callers
+(several routers) can never over-admit; a refusal is RESOURCE_EXHAUSTED at once. Admitted
+requests enter the engine immediately; a task per media item fetches its embedding (pushed or
+cached) and hands it over, and the engine schedules media positions only once present. A
+cancelled or failed stream aborts the request, which frees its blocks and reservation.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import math
 import time
 
 import grpc
@@ -16,19 +20,17 @@ import grpc
 from services.common import grpc_server
 from services.common.embedding_cache import CacheSettings, EmbeddingCache
 from services.common.model_info import load_model_info
+from services.common.registry import Heartbeat, Registry
 from services.common.rpc.epd.v1 import worker_pb2, worker_pb2_grpc
 from services.common.service_main import dtype_of
 from services.common.telemetry import Telemetry
 from services.common.transport_grpc import ChunkAssembler, StreamError
 from services.worker.config import WorkerConfig
 from services.worker.embedding_store import EmbeddingStore
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions
 from services.worker.engine_loop import EngineLoop
-from services.worker.simple_engine import (
-    EngineRequest,
-    MediaInput,
-    SamplingOptions,
-    SimpleEngine,
-)
 
 log = logging.getLogger(__name__)
 
@@ -57,17 +59,41 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._store = store
         self._config = config
 
+    def capacity_blocks(self) -> int:
+        """The most blocks one request could ever reserve here."""
+        return math.floor(self._loop.kv_state.total_blocks * self._config.overcommit)
+
+    async def _admit(self, request: worker_pb2.WorkerRequest, context: grpc.aio.ServicerContext,
+                     outputs: asyncio.Queue) -> None:
+        projected = len(request.token_ids) + request.sampling.max_tokens
+        needed = -(-projected // self._config.block_size)
+        if needed > self.capacity_blocks():
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"request needs {needed} KV blocks ({projected} tokens); this worker holds "
+                                f"at most {self.capacity_blocks()}")
+        event_loop = asyncio.get_running_loop()
+        try:
+            admitted = await asyncio.wrap_future(self._loop.add_admitted(
+                engine_request(request), projected,
+                lambda out: event_loop.call_soon_threadsafe(outputs.put_nowait, out)))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not admitted:
+            state = self._loop.kv_state
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"worker has {state.total_blocks - state.reserved_blocks} unreserved KV blocks, "
+                                f"request needs {needed}")
+
     async def Generate(self, request: worker_pb2.WorkerRequest, context: grpc.aio.ServicerContext):
         start = time.perf_counter()
         outputs: asyncio.Queue = asyncio.Queue()
-        event_loop = asyncio.get_running_loop()
-        self._loop.add_request(engine_request(request),
-                               lambda out: event_loop.call_soon_threadsafe(outputs.put_nowait, out))
+        await self._admit(request, context, outputs)
         timeout = request.embedding_timeout_s or self._config.embedding_timeout_s
         fetchers = [asyncio.create_task(self._fetch(m.mm_hash, timeout)) for m in request.media]
         fetch_error = asyncio.create_task(self._first_error(fetchers))
         finished = False
         try:
+            yield worker_pb2.WorkerResponse(admitted=True)
             while True:
                 getter = asyncio.create_task(outputs.get())
                 done, _ = await asyncio.wait({getter, fetch_error}, return_when=asyncio.FIRST_COMPLETED)
@@ -121,24 +147,52 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Abort(self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext,
                     ) -> worker_pb2.AbortReply:
-        self._loop.abort(request.request_id)
-        return worker_pb2.AbortReply(found=True)
+        found = await asyncio.wrap_future(self._loop.submit(lambda engine: engine.abort(request.request_id)))
+        return worker_pb2.AbortReply(found=bool(found))
 
 
-async def start_worker(config: WorkerConfig) -> tuple[grpc_server.RunningServer, EngineLoop]:
-    """Load the model, start the engine thread and serve `Worker` on config.host:config.port."""
+@dataclasses.dataclass
+class RunningWorker:
+    server: grpc_server.RunningServer
+    loop: EngineLoop
+    heartbeat: Heartbeat
+    telemetry: Telemetry
+
+    async def stop(self) -> None:
+        await self.heartbeat.stop()
+        await self.server.stop()
+        self.loop.stop()
+        self.telemetry.shutdown()
+
+
+def engine_config(config: WorkerConfig) -> EngineConfig:
+    return EngineConfig(block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes,
+                        max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+                        overcommit=config.overcommit, enable_prefix_caching=config.enable_prefix_caching,
+                        dtype=config.dtype, device=config.device)
+
+
+async def start_worker(config: WorkerConfig) -> RunningWorker:
+    """Load the model, start the engine thread, serve `Worker` and heartbeat the KV state."""
     info = load_model_info(config.model)
     model = info.adapter.load_model(device=config.device, dtype=dtype_of(config.dtype))
     telemetry = Telemetry("worker", config.host, config.metrics_port)
     cache = EmbeddingCache(CacheSettings(config.redis_url, info.identity.revision,
                                          max_bytes=config.embedding_cache_bytes,
                                          ttl_s=config.embedding_cache_ttl_s))
-    loop = EngineLoop(SimpleEngine(info.adapter, model))
+    loop = EngineLoop(Engine(info.adapter, model, engine_config(config)))
     loop.start()
     servicer = WorkerServicer(loop, EmbeddingStore(cache), config)
     binding = grpc_server.ServiceBinding(worker_pb2_grpc.add_WorkerServicer_to_server, servicer,
                                          "epd.v1.Worker")
     running = await grpc_server.start_server(config.host, config.port, [binding])
-    log.info("worker serving on %s:%d (model %s)", config.host, running.port, info.model_dir)
-    del telemetry  # kept alive by its HTTP server thread; nothing else needs it yet
-    return running, loop
+    address = config.advertise_addr or f"{config.host}:{running.port}"
+
+    def state() -> dict:
+        return {**dataclasses.asdict(loop.kv_state), "capacity_blocks": servicer.capacity_blocks()}
+
+    heartbeat = Heartbeat(Registry(config.redis_url, ttl_s=max(1.0, 5 * config.heartbeat_interval_s)),
+                          "worker", address, info.identity.revision, state, config.heartbeat_interval_s)
+    heartbeat.start()
+    log.info("worker serving on %s (model %s, %d KV blocks)", address, info.model_dir, loop.kv_state.total_blocks)
+    return RunningWorker(running, loop, heartbeat, telemetry)

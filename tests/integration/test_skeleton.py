@@ -112,9 +112,9 @@ def test_count_tokens_equals_processor(cluster: Cluster) -> None:
 
 
 def test_count_tokens_uncapped_model(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from services.common.media import MediaLimits
     from services.router.accounting import account
     from services.router.intake import IntakeLimits, parse_messages
-    from services.common.media import MediaLimits
 
     folder = model_folder(tmp_path_factory.mktemp("models"), "uncapped", max_pixels=10**9)
     info = load_model_info(folder)

@@ -27,6 +27,9 @@ if _version_not_supported:
 
 class WorkerStub:
     """Prefill-decode worker: token ids in, tokens out; embeddings arrive on their own stream.
+    Generate is also the Reserve: the worker admits the request atomically from its own KV state and
+    answers first with `admitted` (or fails at once with RESOURCE_EXHAUSTED / FAILED_PRECONDITION).
+    The reservation lives exactly as long as the stream, so a caller that vanishes cannot leak one.
     """
 
     def __init__(self, channel):
@@ -54,6 +57,9 @@ class WorkerStub:
 
 class WorkerServicer:
     """Prefill-decode worker: token ids in, tokens out; embeddings arrive on their own stream.
+    Generate is also the Reserve: the worker admits the request atomically from its own KV state and
+    answers first with `admitted` (or fails at once with RESOURCE_EXHAUSTED / FAILED_PRECONDITION).
+    The reservation lives exactly as long as the stream, so a caller that vanishes cannot leak one.
     """
 
     def Generate(self, request, context):
@@ -102,6 +108,9 @@ def add_WorkerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Worker:
     """Prefill-decode worker: token ids in, tokens out; embeddings arrive on their own stream.
+    Generate is also the Reserve: the worker admits the request atomically from its own KV state and
+    answers first with `admitted` (or fails at once with RESOURCE_EXHAUSTED / FAILED_PRECONDITION).
+    The reservation lives exactly as long as the stream, so a caller that vanishes cannot leak one.
     """
 
     @staticmethod

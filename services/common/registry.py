@@ -1,0 +1,113 @@
+"""Service discovery and load state in Redis: services heartbeat, routers read.
+
+Each live service has a key `epd:reg:<role>:<address>` holding its state as JSON with a TTL of a
+few heartbeat intervals, and is a member of the sorted set `epd:reg:<role>` scored by that
+expiry. A service whose heartbeats stop drops out within the TTL. Routers hold no state another
+router needs: every replica reads the same keys. Redis errors never raise to callers:
+`publish` returns False and `members` returns None so a reader can keep its last view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+log = logging.getLogger(__name__)
+PREFIX = "epd:reg"
+
+
+@dataclass(frozen=True)
+class Member:
+    """One service as it last described itself."""
+
+    role: str
+    address: str
+    revision: str
+    state: dict[str, Any]
+    published_at: float
+
+
+class Registry:
+    def __init__(self, redis_url: str, ttl_s: float = 1.0, socket_timeout_s: float = 0.25) -> None:
+        self.ttl_s = ttl_s
+        self._redis = redis.Redis.from_url(redis_url, socket_timeout=socket_timeout_s,
+                                           socket_connect_timeout=socket_timeout_s)
+
+    @staticmethod
+    def _key(role: str, address: str) -> str:
+        return f"{PREFIX}:{role}:{address}"
+
+    def publish(self, role: str, address: str, revision: str, state: dict[str, Any]) -> bool:
+        now = time.time()
+        body = json.dumps({"revision": revision, "state": state, "published_at": now})
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.set(self._key(role, address), body, px=int(self.ttl_s * 1000))
+            pipe.zadd(f"{PREFIX}:{role}", {address: now + self.ttl_s})
+            pipe.execute()
+            return True
+        except (redis.RedisError, OSError) as exc:
+            log.debug("registry publish failed: %s", exc)
+            return False
+
+    def withdraw(self, role: str, address: str) -> None:
+        try:
+            self._redis.delete(self._key(role, address))
+            self._redis.zrem(f"{PREFIX}:{role}", address)
+        except (redis.RedisError, OSError):
+            pass
+
+    def members(self, role: str, revision: str | None = None) -> list[Member] | None:
+        """Live members of `role` (matching `revision` when given); None when Redis cannot answer."""
+        now = time.time()
+        try:
+            self._redis.zremrangebyscore(f"{PREFIX}:{role}", "-inf", now)
+            addresses = [a.decode() for a in self._redis.zrangebyscore(f"{PREFIX}:{role}", now, "+inf")]
+            bodies = self._redis.mget([self._key(role, a) for a in addresses]) if addresses else []
+        except (redis.RedisError, OSError) as exc:
+            log.debug("registry read failed: %s", exc)
+            return None
+        out = []
+        for address, body in zip(addresses, bodies, strict=True):
+            if body is None:
+                continue
+            data = json.loads(body)
+            if revision is not None and data["revision"] != revision:
+                continue
+            out.append(Member(role, address, data["revision"], data["state"], data["published_at"]))
+        return out
+
+    def close(self) -> None:
+        self._redis.close()
+
+
+class Heartbeat:
+    """Publishes `state()` every `interval_s` on a background asyncio task until `stop()`."""
+
+    def __init__(self, registry: Registry, role: str, address: str, revision: str,
+                 state: Callable[[], dict[str, Any]], interval_s: float = 0.2) -> None:
+        self._registry, self._role, self._address, self._revision = registry, role, address, revision
+        self._state = state
+        self._interval_s = interval_s
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            state = self._state()
+            await asyncio.to_thread(self._registry.publish, self._role, self._address, self._revision, state)
+            await asyncio.sleep(self._interval_s)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        await asyncio.to_thread(self._registry.withdraw, self._role, self._address)

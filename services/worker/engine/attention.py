@@ -1,0 +1,146 @@
+"""Our attention over paged KV, plugged into transformers through its attention interface.
+
+The language model runs on one flattened row of all scheduled tokens. Each layer's attention call
+writes this step's K/V into the sequences' slots, then attends: single-token queries (decodes) in one
+padded SDPA call over their gathered blocks, multi-token chunks one SDPA call each with a bottom-right
+causal mask (the chunk's queries are the last tokens of the context). Row order is decodes first,
+then chunks, so the output is one concatenation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+ATTENTION_NAME = "epd_paged"
+CONTEXT_KWARG = "epd_attention"
+
+
+@dataclass
+class KVCache:
+    """Per-layer block tensors ``[num_blocks, block_size, kv_heads, head_dim]`` for keys and values."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ChunkSpan:
+    """A multi-token chunk: rows ``[query_start, query_start + query_len)``; its context in blocks."""
+
+    query_start: int
+    query_len: int
+    context_len: int
+    block_ids: torch.Tensor
+
+
+@dataclass
+class AttentionContext:
+    """What one step's attention calls need, built once per step by the model runner."""
+
+    kv: KVCache
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    decode_block_table: torch.Tensor | None
+    decode_mask: torch.Tensor | None
+    chunks: list[ChunkSpan]
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ``query [1, H, T, D]`` to ``(out [1, T, H, D], None)``.
+
+    Without our step context (for example ``generate`` on the same model) it is plain SDPA.
+    """
+    ctx = kwargs.pop(CONTEXT_KWARG, None)
+    if not isinstance(ctx, AttentionContext):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    if sliding_window is not None:
+        raise NotImplementedError("paged attention does not support sliding-window layers")
+    layer = module.layer_idx
+    k_cache, v_cache = ctx.kv.keys[layer], ctx.kv.values[layer]
+    _write_slots(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), ctx.slot_mapping)
+    q = query[0]  # [H, T, D]
+    parts = []
+    if ctx.num_decodes:
+        parts.append(_decode_attention(q[:, : ctx.num_decodes], k_cache, v_cache, ctx, scaling))
+    for chunk in ctx.chunks:
+        rows = q[:, chunk.query_start : chunk.query_start + chunk.query_len]
+        parts.append(_chunk_attention(rows, k_cache, v_cache, chunk, scaling))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    return out.unsqueeze(0), None
+
+
+def _write_slots(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+) -> None:
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Whole blocks ``block_ids`` (any shape ``[..., n]``) as ``[..., n * block_size, kv_heads, head_dim]``."""
+    blocks = cache.index_select(0, block_ids.reshape(-1))
+    return blocks.view(*block_ids.shape[:-1], -1, cache.shape[2], cache.shape[3])
+
+
+def _decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext, scaling: float | None
+) -> torch.Tensor:
+    """Single-token queries ``[H, B, D]`` against their padded contexts; returns ``[B, H, D]``."""
+    keys = _gather(k_cache, ctx.decode_block_table).transpose(1, 2)  # [B, Hkv, S, D]
+    values = _gather(v_cache, ctx.decode_block_table).transpose(1, 2)
+    query = q.transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=ctx.decode_mask, scale=scaling, enable_gqa=True)
+    return out.squeeze(2)
+
+
+def _chunk_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: ChunkSpan, scaling: float | None
+) -> torch.Tensor:
+    """A chunk's queries ``[H, q, D]`` against its whole context, bottom-right causal; returns ``[q, H, D]``."""
+    ctx_len, q_len = chunk.context_len, chunk.query_len
+    keys = _gather(k_cache, chunk.block_ids)[:ctx_len].transpose(0, 1)  # [Hkv, ctx, D]
+    values = _gather(v_cache, chunk.block_ids)[:ctx_len].transpose(0, 1)
+    if ctx_len == q_len:
+        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scaling, enable_gqa=True)
+    else:
+        mask = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device).tril(ctx_len - q_len)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def install_paged_attention(model: torch.nn.Module) -> None:
+    """Register ``paged_attention`` and route the model's text config (only) to it.
+
+    Other sub-configs (a vision tower) keep their implementation. The model stays usable without our
+    context: ``paged_attention`` falls back to SDPA then.
+    """
+    AttentionInterface.register(ATTENTION_NAME, paged_attention)
+    config = model.config
+    text_config = config.get_text_config()
+    if text_config is config:
+        model.set_attn_implementation(ATTENTION_NAME)
+        return
+    mapping = {}
+    for key in config.sub_configs:
+        sub = getattr(config, key, None)
+        if sub is not None:
+            mapping[key] = ATTENTION_NAME if sub is text_config else sub._attn_implementation
+    model.set_attn_implementation(mapping)
