@@ -1,0 +1,180 @@
+"""Engine behaviour on the tiny model: prefix cache reuse (acceptance 2), aborts returning everything
+(acceptance 3), seeded sampling independent of the batch (acceptance 4), and the API's edges."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from services.models.registry import load_adapter
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions
+from tests.engine_support import Prompt, Result, build_prompt, collect, drain, image, reference
+
+LONG = "a long shared system preamble about many things that every request starts with " * 4
+GREEDY = SamplingOptions(max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir: Path) -> tuple[Any, Any]:
+    adapter = load_adapter(tiny_model_dir)
+    return adapter, adapter.load_model()
+
+
+def make_engine(loaded: tuple[Any, Any], **overrides: Any) -> Engine:
+    adapter, model = loaded
+    settings = {"kv_cache_bytes": 8 << 20, "max_num_batched_tokens": 64, "max_num_seqs": 16, **overrides}
+    return Engine(adapter, model, EngineConfig(**settings))
+
+
+def run_one(engine: Engine, prompt: Prompt, request_id: str, salt: str = "") -> Result:
+    for mm_hash, tensor in prompt.embeddings.items():
+        engine.provide_embedding(mm_hash, tensor)
+    engine.add_request(prompt.request(request_id, GREEDY, salt))
+    results: dict[str, Result] = {}
+    drain(engine, results)
+    return results[request_id]
+
+
+def test_prefix_cache_reuse_and_isolation(loaded: tuple[Any, Any], tiny_model_dir: Path) -> None:
+    adapter, model = loaded
+    cat, dog = image(448, 448, 11), image(448, 448, 12)
+    first = build_prompt(adapter, model, [LONG, cat, "what is shown here?"])
+    second = build_prompt(adapter, model, [LONG, cat, "describe the colours"])
+    other_image = build_prompt(adapter, model, [LONG, dog, "what is shown here?"])
+    engine = make_engine(loaded)
+    assert run_one(engine, first, "a").cached_tokens == 0
+    reused = run_one(engine, second, "b")
+    image_end = first.media[0].offset + first.media[0].num_tokens
+    assert reused.cached_tokens >= image_end - 16  # the text and the whole image came from the cache
+    assert reused.tokens == reference(tiny_model_dir, second, GREEDY.max_tokens)
+    swapped = run_one(engine, other_image, "c")
+    assert 0 < swapped.cached_tokens <= first.media[0].offset  # nothing from the image on
+    assert swapped.tokens == reference(tiny_model_dir, other_image, GREEDY.max_tokens)
+    assert run_one(engine, first, "d", salt="tenant-2").cached_tokens == 0
+    assert run_one(engine, first, "e").cached_tokens > 0
+
+
+def test_half_aborted_at_random_points_return_everything(loaded: tuple[Any, Any]) -> None:
+    adapter, model = loaded
+    rng = random.Random(7)
+    pictures = [image(224, 224, 20 + i) for i in range(4)]
+    prompts = [
+        build_prompt(adapter, model, [f"request {i} " * (1 + i % 5)] + ([pictures[i % 4], "what?"] if i % 2 else []))
+        for i in range(32)
+    ]
+    engine = make_engine(loaded, max_num_batched_tokens=48, max_num_seqs=12)
+    aborted = set(rng.sample(range(32), 16))
+    abort_at = {i: rng.randint(0, 40) for i in aborted}
+    results: dict[str, Result] = {}
+    for i, prompt in enumerate(prompts):
+        sampling = SamplingOptions(max_tokens=rng.randint(4, 20), ignore_eos=True)
+        engine.add_request(prompt.request(f"r{i}", sampling))
+    for step in range(10_000):
+        if step == 3 or step == 15:  # embeddings arrive late; some requests are aborted before they do
+            for prompt in prompts[step % 2 :: 2]:
+                for mm_hash, tensor in prompt.embeddings.items():
+                    engine.provide_embedding(mm_hash, tensor)
+        for i in [i for i, at in abort_at.items() if at == step]:
+            assert engine.abort(f"r{i}") == (results.get(f"r{i}", Result()).finish_reason is None)
+        if step > 40 and not engine.has_work():
+            break
+        collect(engine.step(), results)
+    finished = {int(rid[1:]) for rid, r in results.items() if r.finish_reason == "length"}
+    assert set(range(32)) - aborted <= finished
+    state = engine.kv_state()
+    assert state.free_blocks == state.total_blocks and state.reserved_blocks == 0
+    assert state.running == 0 and state.waiting == 0
+    assert engine.embedding_stats().pinned == 0 and not engine.embeddings.refs
+
+
+def test_seeded_sample_is_the_same_alone_and_in_a_batch(loaded: tuple[Any, Any]) -> None:
+    adapter, model = loaded
+    target = build_prompt(adapter, model, ["tell me a story about", image(120, 90, 30), "this picture"])
+    seeded = SamplingOptions(max_tokens=24, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone = make_engine(loaded)
+    alone_result = run_one_sampled(alone, [(target, seeded)])["t"]
+    batch = [(build_prompt(adapter, model, [f"other prompt {i} " * (i + 1)]), other_sampling(i)) for i in range(16)]
+    crowd = make_engine(loaded, max_num_batched_tokens=32)
+    crowd_result = run_one_sampled(crowd, [*batch[:8], (target, seeded), *batch[8:]])["t"]
+    assert crowd_result.tokens == alone_result.tokens and len(alone_result.tokens) == 24
+
+
+def other_sampling(i: int) -> SamplingOptions:
+    if i % 3 == 0:
+        return SamplingOptions(max_tokens=20)
+    return SamplingOptions(max_tokens=20, temperature=0.8, seed=i if i % 3 == 1 else None)
+
+
+def run_one_sampled(engine: Engine, work: list[tuple[Prompt, SamplingOptions]]) -> dict[str, Result]:
+    results: dict[str, Result] = {}
+    for i, (prompt, sampling) in enumerate(work):
+        for mm_hash, tensor in prompt.embeddings.items():
+            engine.provide_embedding(mm_hash, tensor)
+        rid = "t" if sampling.seed == 1234 else f"o{i}"
+        engine.add_request(prompt.request(rid, sampling))
+        if i % 3 == 2:
+            collect(engine.step(), results)
+    drain(engine, results)
+    return results
+
+
+def test_reserve_then_add_and_release(loaded: tuple[Any, Any]) -> None:
+    engine = make_engine(loaded, kv_cache_bytes=64 * 8192)  # 64 blocks of 16 tokens
+    state = engine.kv_state()
+    assert state.total_blocks == 64 and state.block_size == 16
+    assert engine.can_reserve(64 * 16) and not engine.can_reserve(64 * 16 + 1)
+    assert engine.reserve("x", 40 * 16) and engine.kv_state().reserved_blocks == 40
+    assert not engine.reserve("y", 30 * 16)
+    engine.release("x")
+    assert engine.kv_state().reserved_blocks == 0
+    assert engine.reserve("z", 100)
+    engine.add_request(EngineRequest("z", [1, 2, 3], sampling=SamplingOptions(max_tokens=5)))
+    assert engine.kv_state().reserved_blocks == 1  # the real size replaced the estimate
+    assert engine.abort("z") and not engine.abort("z")
+    assert engine.kv_state().reserved_blocks == 0
+
+
+def test_embedding_before_and_after_and_missing(loaded: tuple[Any, Any]) -> None:
+    adapter, model = loaded
+    prompt = build_prompt(adapter, model, ["look", image(56, 56, 40), "and", image(112, 56, 41)])
+    engine = make_engine(loaded)
+    first, second = prompt.media
+    engine.provide_embedding(first.mm_hash, prompt.embeddings[first.mm_hash])  # before the request
+    assert engine.embedding_stats().buffered == 1
+    engine.add_request(prompt.request("r", GREEDY))
+    assert engine.missing_embeddings("r") == [second.mm_hash]
+    assert engine.embedding_stats().pinned == 1 and engine.embedding_stats().buffered == 0
+    results: dict[str, Result] = {}
+    for _ in range(3):
+        collect(engine.step(), results)
+    assert engine.has_work() is False and "r" not in results  # text before the second image is done
+    engine.provide_embedding(second.mm_hash, prompt.embeddings[second.mm_hash])
+    drain(engine, results)
+    assert results["r"].finish_reason is not None and engine.embedding_stats().pinned == 0
+    assert engine.missing_embeddings("r") == []
+
+
+def test_bad_requests_are_refused_and_leave_nothing(loaded: tuple[Any, Any]) -> None:
+    adapter, model = loaded
+    engine = make_engine(loaded, kv_cache_bytes=8 * 8192)
+    prompt = build_prompt(adapter, model, ["x", image(56, 56, 50)])
+    item = prompt.media[0]
+    with pytest.raises(ValueError, match="KV blocks"):
+        engine.add_request(EngineRequest("big", [1] * 100, sampling=SamplingOptions(max_tokens=100)))
+    with pytest.raises(ValueError, match="text tokens"):
+        moved = MediaInput(item.mm_hash, item.offset - 1, item.num_tokens, item.grid_thw)
+        engine.add_request(EngineRequest("moved", prompt.token_ids, [moved], GREEDY))
+    with pytest.raises(ValueError):
+        engine.add_request(EngineRequest("nomedia", prompt.token_ids, [], GREEDY))
+    engine.add_request(prompt.request("ok", GREEDY))
+    with pytest.raises(ValueError, match="already"):
+        engine.add_request(prompt.request("ok", GREEDY))
+    with pytest.raises(ValueError, match="rows"):
+        engine.provide_embedding(item.mm_hash, torch.zeros(item.num_tokens + 1, 64))
+    assert set(engine.requests) == {"ok"} and engine.embeddings.refs == {item.mm_hash: 1}
