@@ -1,0 +1,188 @@
+{{/* Pod building blocks shared by router, encoder and worker. ------------------------------ */}}
+
+{{/* Environment: (dict "root" $ "comp" .Values.worker "port" 50071 "advertise" "..." "extra" dict) */}}
+{{- define "epd.env" -}}
+{{- $root := .root }}
+{{- $gpu := gt (int (default 0 .comp.gpus)) 0 }}
+{{- $vars := dict
+  "EPD_MODEL" (include "epd.modelPath" $root)
+  "EPD_REDIS_URL" (include "epd.redisUrl" $root)
+  "EPD_HOST" "0.0.0.0"
+  "EPD_PORT" (toString .port)
+  "EPD_METRICS_PORT" (ternary (toString $root.Values.metrics.port) "0" $root.Values.metrics.enabled)
+  "EPD_ADVERTISE_ADDR" .advertise
+  "EPD_DEVICE" (ternary "cuda" "cpu" $gpu)
+  "EPD_DTYPE" (default (ternary "bfloat16" "float32" $gpu) $root.Values.dtype)
+  "EPD_LOG_LEVEL" $root.Values.logLevel
+  "HOME" "/tmp"
+  "HF_HUB_OFFLINE" "1"
+}}
+{{- $vars = mergeOverwrite $vars (default (dict) .extra) (default (dict) $root.Values.env) (default (dict) .comp.env) -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+{{- range $name := keys $vars | sortAlpha }}
+- name: {{ $name }}
+  value: {{ get $vars $name | toString | quote }}
+{{- end }}
+{{- end }}
+
+{{/* Resources with the GPU request: (dict "comp" .Values.encoder) */}}
+{{- define "epd.resources" -}}
+{{- $res := deepCopy (default (dict) .comp.resources) }}
+{{- $gpus := int (default 0 .comp.gpus) }}
+{{- if gt $gpus 0 }}
+{{- $limits := default (dict) $res.limits }}
+{{- $_ := set $limits "nvidia.com/gpu" $gpus }}
+{{- $_ = set $res "limits" $limits }}
+{{- $requests := default (dict) $res.requests }}
+{{- $_ = set $requests "nvidia.com/gpu" $gpus }}
+{{- $_ = set $res "requests" $requests }}
+{{- end -}}
+resources:
+  {{- toYaml $res | nindent 2 }}
+{{- end }}
+
+{{/* gRPC probes: (dict "port" 50071 "startup" .Values.worker.startupProbe) */}}
+{{- define "epd.probes" -}}
+startupProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: {{ .startup.periodSeconds }}
+  failureThreshold: {{ .startup.failureThreshold }}
+readinessProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: 5
+  timeoutSeconds: 3
+  failureThreshold: 3
+livenessProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 6
+{{- end }}
+
+{{/* Pod-level settings: (dict "root" $ "comp" .Values.router) */}}
+{{- define "epd.podSpecCommon" -}}
+serviceAccountName: {{ include "epd.serviceAccountName" .root }}
+automountServiceAccountToken: false
+enableServiceLinks: false
+securityContext:
+  {{- toYaml .root.Values.podSecurityContext | nindent 2 }}
+{{- with .root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .comp.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .comp.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .comp.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Init container that builds the tiny model: (dict "root" $ "comp" .Values.worker) */}}
+{{- define "epd.initContainers" -}}
+{{- $root := .root }}
+{{- if $root.Values.model.tiny.enabled -}}
+initContainers:
+  - name: model-init
+    {{- include "epd.image" . | nindent 4 }}
+    args:
+      - make-tiny-model
+      - {{ include "epd.modelPath" $root | quote }}
+      - --family
+      - {{ $root.Values.model.tiny.family | quote }}
+    env:
+      - name: HOME
+        value: /tmp
+      - name: HF_HUB_OFFLINE
+        value: "1"
+    securityContext:
+      {{- toYaml $root.Values.securityContext | nindent 6 }}
+    resources:
+      {{- toYaml $root.Values.model.tiny.resources | nindent 6 }}
+    volumeMounts:
+      - name: tmp
+        mountPath: /tmp
+      - name: model
+        mountPath: {{ $root.Values.model.mountPath }}
+{{- end }}
+{{- end }}
+
+{{/* Volumes: (dict "root" $ "comp" .Values.worker) */}}
+{{- define "epd.volumes" -}}
+{{- $model := .root.Values.model -}}
+volumes:
+  - name: tmp
+    emptyDir:
+      sizeLimit: {{ .root.Values.tmpSizeLimit }}
+  - name: model
+    {{- if $model.tiny.enabled }}
+    emptyDir:
+      sizeLimit: {{ $model.tiny.sizeLimit }}
+    {{- else }}
+    persistentVolumeClaim:
+      claimName: {{ $model.pvc.claimName }}
+      readOnly: true
+    {{- end }}
+  {{- if .comp.shmSizeLimit }}
+  - name: dshm
+    emptyDir:
+      medium: Memory
+      sizeLimit: {{ .comp.shmSizeLimit }}
+  {{- end }}
+{{- end }}
+
+{{/* Mounts of the main container: (dict "root" $ "comp" .Values.worker) */}}
+{{- define "epd.volumeMounts" -}}
+{{- $model := .root.Values.model -}}
+volumeMounts:
+  - name: tmp
+    mountPath: /tmp
+  - name: model
+    mountPath: {{ $model.mountPath }}
+    readOnly: true
+    {{- if and (not $model.tiny.enabled) $model.pvc.subPath }}
+    subPath: {{ $model.pvc.subPath }}
+    {{- end }}
+  {{- if .comp.shmSizeLimit }}
+  - name: dshm
+    mountPath: /dev/shm
+  {{- end }}
+{{- end }}
+
+{{/* The main container's ports: (dict "root" $ "name" "grpc" "port" 50071 "http" false) */}}
+{{- define "epd.containerPorts" -}}
+ports:
+  - name: grpc
+    containerPort: {{ .port }}
+    protocol: TCP
+  {{- if .http }}
+  - name: http
+    containerPort: {{ .root.Values.ports.http }}
+    protocol: TCP
+  {{- end }}
+  {{- if .root.Values.metrics.enabled }}
+  - name: metrics
+    containerPort: {{ .root.Values.metrics.port }}
+    protocol: TCP
+  {{- end }}
+{{- end }}

@@ -1,0 +1,198 @@
+"""Run the epd cluster (router, encoders, workers as `epd serve <role>`) inside Ray actors.
+
+Each service is one actor holding one child process (services/launch/service_process.py). With
+EPD_DEVICE=cuda, encoder and worker actors request GPUs, so Ray places them on GPU nodes and
+sets CUDA_VISIBLE_DEVICES for their process. On an existing cluster (`address`), services bind
+0.0.0.0 and advertise their node's IP; every node needs epd installed and the model folder at
+the same path. Without an address a local Ray instance is started and shut down by `stop()`.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.launch.service_process import HealthReport, ServiceProcess
+
+ROLES = ("router", "encoder", "worker")
+
+
+class RayLaunchError(RuntimeError):
+    """A service did not become healthy; the message carries each failure and its log tail."""
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """One service to run: its role, name, ports and Ray resources."""
+
+    role: str
+    name: str
+    port: int
+    metrics_port: int
+    num_cpus: float
+    num_gpus: float
+
+
+@dataclass
+class RayCluster:
+    """Handle on a launched cluster. `stop()` ends every service process (idempotent)."""
+
+    router_addr: str
+    encoder_addrs: list[str]
+    worker_addrs: list[str]
+    log_dir: str
+    _actors: dict[str, Any] = field(repr=False)
+    _owns_ray: bool = field(repr=False)
+    _stopped: bool = field(default=False, repr=False)
+
+    def addresses(self) -> dict[str, list[str]]:
+        return {"router": [self.router_addr], "encoder": list(self.encoder_addrs),
+                "worker": list(self.worker_addrs)}
+
+    def service_pids(self) -> dict[str, list[int]]:
+        """Live pids (each service's process and its descendants) by service name."""
+        import ray
+
+        names = list(self._actors)
+        pids = ray.get([self._actors[n].pids.remote() for n in names])
+        return dict(zip(names, pids, strict=True))
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        import ray
+
+        try:
+            ray.get([actor.stop.remote(timeout_s) for actor in self._actors.values()])
+        finally:
+            for actor in self._actors.values():
+                ray.kill(actor)
+            if self._owns_ray:
+                ray.shutdown()
+
+    def __enter__(self) -> RayCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def plan_services(encoders: int, workers: int, *, router_port: int, encoder_port: int, worker_port: int,
+                  metrics_port: int | None, device: str, cpus_per_service: float,
+                  gpus_per_encoder: float, gpus_per_worker: float) -> list[ServiceSpec]:
+    """Services in start order. A base port p > 0 gives p, p+1, ...; 0 picks free ports per node.
+
+    `metrics_port`: None picks free ports, 0 turns metrics off, p > 0 numbers them from p.
+    """
+    if encoders < 1 or workers < 1:
+        raise ValueError(f"need at least one encoder and one worker, got {encoders} and {workers}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"EPD_DEVICE must be cpu or cuda, got {device!r}")
+    gpu = device == "cuda"
+    rows = [("encoder", i, encoder_port, gpus_per_encoder) for i in range(encoders)]
+    rows += [("worker", i, worker_port, gpus_per_worker) for i in range(workers)]
+    rows += [("router", 0, router_port, 0.0)]
+    specs = []
+    for offset, (role, index, base, gpus) in enumerate(rows):
+        metrics = -1 if metrics_port is None else (0 if metrics_port == 0 else metrics_port + offset)
+        specs.append(ServiceSpec(role=role, name=f"{role}-{index}", port=base + index if base else 0,
+                                 metrics_port=metrics, num_cpus=cpus_per_service,
+                                 num_gpus=gpus if gpu else 0.0))
+    return specs
+
+
+def launch_on_ray(model_dir: str, *, encoders: int = 1, workers: int = 1,
+                  redis_url: str = "redis://127.0.0.1:6379/0", address: str | None = None,
+                  host: str | None = None, router_port: int = 50051, encoder_port: int = 50061,
+                  worker_port: int = 50071, metrics_port: int | None = 9400,
+                  env: Mapping[str, str] | None = None, cpus_per_service: float = 1.0,
+                  gpus_per_encoder: float = 1.0, gpus_per_worker: float = 1.0,
+                  command: Sequence[str] | None = None, ready_timeout_s: float = 300.0,
+                  log_dir: str | None = None) -> RayCluster:
+    """Start router, encoders and workers as Ray actors and wait until all serve gRPC health.
+
+    `env` adds EPD_* (or other) variables for every service; EPD_DEVICE there (or in this
+    process's environment) decides whether encoders and workers request GPUs. `command`
+    replaces `epd` (for tests). On failure everything started is stopped and RayLaunchError
+    says which service failed and why.
+    """
+    import ray
+
+    extra = dict(env or {})
+    device = extra.get("EPD_DEVICE", os.environ.get("EPD_DEVICE", "cpu"))
+    specs = plan_services(encoders, workers, router_port=router_port, encoder_port=encoder_port,
+                          worker_port=worker_port, metrics_port=metrics_port, device=device,
+                          cpus_per_service=cpus_per_service, gpus_per_encoder=gpus_per_encoder,
+                          gpus_per_worker=gpus_per_worker)
+    owns_ray = _connect(ray, address, sum(s.num_cpus for s in specs))
+    bind = host or ("127.0.0.1" if address is None else "0.0.0.0")
+    logs = log_dir or tempfile.mkdtemp(prefix="epd-ray-")
+    actor_cls = ray.remote(ServiceProcess)
+    actors = {s.name: actor_cls.options(num_cpus=s.num_cpus, num_gpus=s.num_gpus).remote(s.name, logs)
+              for s in specs}
+    cluster = RayCluster("", [], [], logs, actors, owns_ray)
+    try:
+        placed = _place(ray, specs, actors, bind)
+        addrs = {s.name: a for s, (a, _, _) in zip(specs, placed, strict=True)}
+        cluster.encoder_addrs = [addrs[s.name] for s in specs if s.role == "encoder"]
+        cluster.worker_addrs = [addrs[s.name] for s in specs if s.role == "worker"]
+        cluster.router_addr = addrs["router-0"]
+        base_env = {**extra, "EPD_MODEL": str(model_dir), "EPD_REDIS_URL": redis_url, "EPD_HOST": bind,
+                    "EPD_DEVICE": device, "EPD_ENCODER_ADDRS": ",".join(cluster.encoder_addrs),
+                    "EPD_WORKER_ADDRS": ",".join(cluster.worker_addrs)}
+        starts = []
+        for spec, (advertise, port, metrics) in zip(specs, placed, strict=True):
+            service_env = {**base_env, "EPD_PORT": str(port), "EPD_METRICS_PORT": str(metrics),
+                           "EPD_ADVERTISE_ADDR": advertise}
+            argv = list(command) if command else None
+            starts.append(actors[spec.name].start.remote(argv, spec.role, service_env))
+        ray.get(starts)
+        local = [f"{'127.0.0.1' if bind == '0.0.0.0' else bind}:{port}" for _, port, _ in placed]
+        reports: list[HealthReport] = ray.get(
+            [actors[s.name].wait_healthy.remote(a, ready_timeout_s) for s, a in zip(specs, local, strict=True)])
+        failed = [r.detail for r in reports if not r.ok]
+        if failed:
+            raise RayLaunchError("epd services failed to start on Ray:\n" + "\n\n".join(failed))
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def _connect(ray: Any, address: str | None, cpus_needed: float) -> bool:
+    """Join `address`, reuse an initialised Ray, or start a local one; True when we started it."""
+    if ray.is_initialized():
+        return False
+    if address is not None:
+        ray.init(address=address, log_to_driver=False)
+        return False
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(cpus_needed + 0.999)),
+             include_dashboard=False, log_to_driver=False, object_store_memory=100 << 20)
+    return True
+
+
+def _place(ray: Any, specs: list[ServiceSpec], actors: dict[str, Any], bind: str) -> list[tuple[str, int, int]]:
+    """(advertised address, port, metrics port) of each service, ports chosen on its node."""
+    node_ips = ray.get([actors[s.name].node_ip.remote() for s in specs])
+    taken: set[tuple[str, int]] = {(ip, s.port) for s, ip in zip(specs, node_ips, strict=True) if s.port}
+    taken |= {(ip, s.metrics_port) for s, ip in zip(specs, node_ips, strict=True) if s.metrics_port > 0}
+
+    def pick(actor: Any, node_ip: str) -> int:
+        for _ in range(50):
+            port = int(ray.get(actor.free_port.remote()))
+            if (node_ip, port) not in taken:
+                taken.add((node_ip, port))
+                return port
+        raise RayLaunchError(f"no free port found on {node_ip}")
+
+    placed = []
+    for spec, node_ip in zip(specs, node_ips, strict=True):
+        port = spec.port or pick(actors[spec.name], node_ip)
+        metrics = spec.metrics_port if spec.metrics_port >= 0 else pick(actors[spec.name], node_ip)
+        advertise_host = node_ip if bind == "0.0.0.0" else bind
+        placed.append((f"{advertise_host}:{port}", port, metrics))
+    return placed

@@ -1,0 +1,139 @@
+"""The chart's scenarios render what they promise; bad values are refused with clear messages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import helm_python as helm
+import pytest
+
+from tests.deploy.support import (
+    CHART,
+    KUBE_VERSIONS,
+    env_of,
+    find,
+    interface_env_names,
+    load_values,
+    one,
+    pod_specs,
+    render,
+)
+
+CI = CHART / "ci"
+BAD_VALUES = Path(__file__).resolve().parent / "bad-values.yaml"
+GPU = "nvidia.com/gpu"
+
+
+def main_container(docs: list[dict], kind: str, component: str) -> dict:
+    (container,) = one(docs, kind, component)["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_gpu_scenario_requests_gpus_for_4_encoders_and_8_workers() -> None:
+    docs = render(load_values(CI / "gpu-4enc-8wkr-values.yaml"))
+    worker_set = one(docs, "StatefulSet", "worker")
+    assert worker_set["spec"]["replicas"] == 8
+    assert one(docs, "HorizontalPodAutoscaler", "encoder")["spec"]["minReplicas"] == 4
+    for kind, component in (("Deployment", "encoder"), ("StatefulSet", "worker")):
+        container = main_container(docs, kind, component)
+        assert container["resources"]["limits"][GPU] == 1
+        assert container["resources"]["requests"][GPU] == 1
+        env = env_of(container)
+        assert env["EPD_DEVICE"] == "cuda" and env["EPD_DTYPE"] == "bfloat16"
+        assert container["image"] == "registry.example.com/ml/epd:0.1.0-cuda"
+    router = main_container(docs, "Deployment", "router")
+    assert GPU not in router["resources"].get("limits", {})
+    assert router["image"] == "registry.example.com/ml/epd:0.1.0-cpu"
+    workers = env_of(router)["EPD_WORKER_ADDRS"].split(",")
+    assert workers == [f"demo-epd-worker-{i}.demo-epd-worker.ml.svc.cluster.local:50071" for i in range(8)]
+    assert len(find(docs, "ServiceMonitor")) == 1
+    volumes = {v["name"]: v for v in worker_set["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "qwen2-vl-7b-instruct", "readOnly": True}
+    assert "initContainers" not in worker_set["spec"]["template"]["spec"]
+
+
+def test_default_scenario_shape() -> None:
+    docs = render(None)
+    assert {h["metadata"]["labels"]["app.kubernetes.io/component"]
+            for h in find(docs, "HorizontalPodAutoscaler")} == {"router", "encoder"}
+    assert len(find(docs, "PodDisruptionBudget")) == 3
+    headless = one(docs, "Service", "worker")
+    assert headless["spec"]["clusterIP"] == "None"
+    worker_set = one(docs, "StatefulSet", "worker")
+    assert worker_set["spec"]["serviceName"] == headless["metadata"]["name"]
+    env = env_of(main_container(docs, "StatefulSet", "worker"))
+    assert env["EPD_ADVERTISE_ADDR"] == "$(POD_NAME).demo-epd-worker.ml.svc.cluster.local:50071"
+    assert env["EPD_HOST"] == "0.0.0.0" and env["EPD_REDIS_URL"] == "redis://demo-epd-redis:6379/0"
+    (init,) = worker_set["spec"]["template"]["spec"]["initContainers"]
+    assert init["args"] == ["make-tiny-model", "/models/tiny", "--family", "qwen2-vl"]
+    redis = main_container(docs, "Deployment", "redis")
+    assert redis["args"][-4:] == ["--maxmemory", "1gb", "--maxmemory-policy", "allkeys-lru"]
+    assert not find(docs, "ServiceMonitor")
+
+
+def test_cpu_dev_scenario_has_no_gpus_and_no_autoscaling() -> None:
+    docs = render(load_values(CI / "cpu-dev-values.yaml"))
+    for _, spec in pod_specs(docs):
+        for container in spec["containers"]:
+            assert GPU not in str(container.get("resources", {}))
+            if container["name"] != "redis":
+                assert env_of(container)["EPD_DEVICE"] == "cpu"
+    assert not find(docs, "HorizontalPodAutoscaler") and not find(docs, "PodDisruptionBudget")
+    assert one(docs, "Deployment", "router")["spec"]["replicas"] == 1
+
+
+def test_external_redis_replaces_the_bundled_one() -> None:
+    docs = render(load_values(CI / "external-redis-values.yaml"))
+    assert not find(docs, "Deployment", "redis") and not find(docs, "Service", "redis")
+    url = "redis://redis-master.cache.svc.cluster.local:6379/0"
+    for _, spec in pod_specs(docs):
+        assert env_of(spec["containers"][0])["EPD_REDIS_URL"] == url
+    egress = one(docs, "NetworkPolicy", "router")["spec"]["egress"]
+    redis_rules = [r for r in egress if r["ports"] == [{"port": 6379, "protocol": "TCP"}]]
+    assert redis_rules and redis_rules[0]["to"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "cache"}
+
+
+def test_router_egress_is_limited() -> None:
+    egress = one(render(None), "NetworkPolicy", "router")["spec"]["egress"]
+    ports = sorted({p["port"] for rule in egress for p in rule["ports"]})
+    assert ports == [53, 443, 6379, 50061, 50071]
+    https = next(r for r in egress if r["ports"] == [{"port": 443, "protocol": "TCP"}])
+    assert "10.0.0.0/8" in https["to"][0]["ipBlock"]["except"]
+
+
+@pytest.mark.parametrize("values_file", sorted(CI.glob("*-values.yaml")), ids=lambda p: p.name)
+def test_epd_env_names_are_the_agreed_ones(values_file: Path) -> None:
+    agreed = interface_env_names()
+    assert "EPD_WORKER_ADDRS" in agreed
+    for component, spec in pod_specs(render(load_values(values_file))):
+        if component == "redis":
+            continue
+        names = {n for n in env_of(spec["containers"][0]) if n.startswith("EPD_")}
+        assert names <= agreed, sorted(names - agreed)
+
+
+def test_bad_values_are_rejected_by_the_schema() -> None:
+    values = load_values(BAD_VALUES)
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError) as caught:
+        chart.validate_schema(values)
+    message = str(caught.value)
+    assert "at '/router': additional properties 'replica' not allowed" in message
+    assert "at '/worker/replicas': minimum: got -2, want 0" in message
+    assert "at '/encoder/gpus': got string, want integer" in message
+    assert "at '/worker/env/EPD_KV_CACHE_BYTES': got number, want string" in message
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError, match="schema"):
+        chart.render(values, name="demo", namespace="ml")
+    report = helm.lint(CHART, values, strict=True, kube_version=f"v{KUBE_VERSIONS[0]}")
+    assert any("additional properties 'replica' not allowed" in e for e in report["errors"])
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"model": {"tiny": {"enabled": False}}}, "set model.pvc.claimName"),
+    ({"model": {"pvc": {"claimName": "m"}}}, "not both"),
+    ({"redis": {"enabled": False}}, "redis.external.url"),
+    ({"router": {"autoscaling": {"minReplicas": 9}}}, "minReplicas must not exceed maxReplicas"),
+])
+def test_inconsistent_values_fail_with_a_message(values: dict, message: str) -> None:
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmRenderError, match=message):
+        chart.render(values, name="demo", namespace="ml")

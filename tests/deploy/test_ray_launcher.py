@@ -1,0 +1,148 @@
+"""services/launch/ray_launcher.py on a local Ray: start, health on every address, clean stop."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from PIL import Image
+
+from services.client import Client, user_request
+from services.launch.ray_launcher import RayCluster, launch_on_ray, plan_services
+from services.launch.service_process import descendants, free_port, is_alive
+
+FAKE_EPD = Path(__file__).resolve().parent / "fake_epd.py"
+
+
+def serving(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def wait_gone(pids: list[int], timeout_s: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    alive = [p for p in pids if is_alive(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in alive if is_alive(p)]
+    return alive
+
+
+def stop_and_check_clean(cluster: RayCluster, before: set[int]) -> None:
+    """Stop the cluster; every service process, its descendants and Ray itself must be gone."""
+    service_pids = [p for pids in cluster.service_pids().values() for p in pids]
+    assert service_pids
+    cluster.stop()
+    assert wait_gone(service_pids) == []
+    left = wait_gone([p for p in descendants(os.getpid()) if p not in before])
+    assert left == [], f"processes left under the test process: {left}"
+
+
+def png_bytes(width: int = 64, height: int = 48) -> bytes:
+    image = Image.new("RGB", (width, height))
+    image.putdata([(x * 4 % 256, y * 5 % 256, 128) for y in range(height) for x in range(width)])
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    """A private Redis for the real services (redis-server must be installed)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+    port = free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).returncode != 0:
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("redis-server did not start")
+        time.sleep(0.1)
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_plan_requests_gpus_only_for_cuda() -> None:
+    kwargs = dict(router_port=50051, encoder_port=50061, worker_port=50071, metrics_port=9400,
+                  cpus_per_service=1.0, gpus_per_encoder=1.0, gpus_per_worker=1.0)
+    cuda = plan_services(2, 3, device="cuda", **kwargs)
+    assert [(s.name, s.port, s.num_gpus) for s in cuda] == [
+        ("encoder-0", 50061, 1.0), ("encoder-1", 50062, 1.0), ("worker-0", 50071, 1.0),
+        ("worker-1", 50072, 1.0), ("worker-2", 50073, 1.0), ("router-0", 50051, 0.0)]
+    assert len({s.metrics_port for s in cuda}) == len(cuda)
+    assert all(s.num_gpus == 0 for s in plan_services(1, 1, device="cpu", **kwargs))
+    with pytest.raises(ValueError, match="EPD_DEVICE"):
+        plan_services(1, 1, device="tpu", **kwargs)
+
+
+def test_launch_wires_services_and_stops_every_process(tmp_path: Path) -> None:
+    before = set(descendants(os.getpid()))
+    cluster = launch_on_ray(str(tmp_path), encoders=2, workers=2, router_port=0, encoder_port=0,
+                            worker_port=0, metrics_port=0, redis_url="redis://127.0.0.1:1/0",
+                            env={"EPD_LOG_LEVEL": "DEBUG"}, command=[sys.executable, str(FAKE_EPD)],
+                            ready_timeout_s=60)
+    try:
+        addresses = cluster.addresses()
+        assert [len(addresses[r]) for r in ("router", "encoder", "worker")] == [1, 2, 2]
+        for address in sum(addresses.values(), []):
+            assert serving(address)
+        reports = {}
+        for log in Path(cluster.log_dir).glob("*.log"):
+            report = json.loads(log.read_text().splitlines()[0])
+            reports[log.stem] = report
+        router = reports["router-0"]["env"]
+        assert router["EPD_ENCODER_ADDRS"].split(",") == addresses["encoder"]
+        assert router["EPD_WORKER_ADDRS"].split(",") == addresses["worker"]
+        assert router["EPD_ADVERTISE_ADDR"] == cluster.router_addr
+        assert router["EPD_LOG_LEVEL"] == "DEBUG" and router["EPD_MODEL"] == str(tmp_path)
+        helpers = [r["helper_pid"] for r in reports.values()]
+        assert all(is_alive(p) for p in helpers)
+    finally:
+        stop_and_check_clean(cluster, before)
+    assert not any(is_alive(p) for p in helpers)
+
+
+def test_failed_start_reports_the_log_and_cleans_up(tmp_path: Path) -> None:
+    before = set(descendants(os.getpid()))
+    with pytest.raises(RuntimeError, match="exited with") as caught:
+        launch_on_ray(str(tmp_path), router_port=0, encoder_port=0, worker_port=0, metrics_port=0,
+                      command=[sys.executable, "-c", "import sys; print('no such role'); sys.exit(3)"],
+                      ready_timeout_s=30)
+    assert "no such role" in str(caught.value)
+    assert wait_gone([p for p in descendants(os.getpid()) if p not in before]) == []
+
+
+def test_epd_cluster_on_local_ray_serves_an_image_request(tiny_model_dir: Path, redis_url: str) -> None:
+    """The real `epd serve` services as Ray actors: healthy, one image request, clean stop."""
+    before = set(descendants(os.getpid()))
+    cluster = launch_on_ray(str(tiny_model_dir), redis_url=redis_url, router_port=0, encoder_port=0,
+                            worker_port=0, metrics_port=None, env={"EPD_DEVICE": "cpu"},
+                            ready_timeout_s=240)
+    try:
+        for address in sum(cluster.addresses().values(), []):
+            assert serving(address), address
+        client = Client(cluster.router_addr)
+        try:
+            answer = client.generate(user_request("Describe the image.", [png_bytes()], max_tokens=4),
+                                     timeout_s=120)
+        finally:
+            client.close()
+        assert answer.final is not None and answer.token_ids
+        assert answer.final.usage.image_tokens > 0
+    finally:
+        stop_and_check_clean(cluster, before)
