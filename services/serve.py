@@ -21,8 +21,7 @@ async def start_role(role: str, config: ServiceConfig) -> Callable[[], Awaitable
     if role == "router":
         from services.router.server import start_router
 
-        running = await start_router(config)
-        return running.stop
+        return await start_router(config)
     if role == "encoder":
         from services.encoder.server import start_encoder
 

@@ -140,8 +140,7 @@ def start_cluster(spec: ClusterSpec, timeout_s: float = 180.0) -> LocalCluster:
                        base, log_dir) for i in range(spec.encoders)]
     workers = [_spawn("worker", port(WORKER_PORT + i), free_port() if spec.free_ports else next(metrics),
                       base, log_dir) for i in range(spec.workers)]
-    router_env = {**base, "EPD_ENCODER_ADDRS": ",".join(p.address for p in encoders),
-                  "EPD_WORKER_ADDRS": ",".join(p.address for p in workers)}
+    router_env = {**base, "EPD_ENCODER_ADDRS": ",".join(p.address for p in encoders)}
     router = _spawn("router", port(ROUTER_PORT), free_port() if spec.free_ports else next(metrics),
                     router_env, log_dir)
     cluster = LocalCluster(router, encoders, workers, spec.redis_url, redis_process)

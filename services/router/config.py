@@ -11,19 +11,23 @@ from services.common.config import ServiceConfig, require_positive
 class RouterConfig(ServiceConfig):
     port: int = 50051
     encoder_addrs: list[str] = dataclasses.field(
-        default_factory=lambda: ["127.0.0.1:50061"], metadata={"help": "encoder host:port list"})
-    worker_addrs: list[str] = dataclasses.field(
-        default_factory=lambda: ["127.0.0.1:50071"], metadata={"help": "worker host:port list"})
+        default_factory=list, metadata={"help": "static encoders, used only while none is registered"})
     max_images_per_prompt: int = dataclasses.field(default=8, metadata={"help": "images per request"})
     max_item_bytes: int = dataclasses.field(default=20 << 20, metadata={"help": "bytes per media item"})
     max_request_bytes: int = dataclasses.field(default=64 << 20, metadata={"help": "media bytes per request"})
     max_image_pixels: int = dataclasses.field(default=50_000_000, metadata={"help": "pixels per image"})
     default_max_tokens: int = dataclasses.field(default=256, metadata={"help": "when a request sets none"})
+    max_tokens_cap: int = dataclasses.field(default=8192, metadata={"help": "largest max_tokens accepted"})
+    max_projected_tokens: int = dataclasses.field(default=131072, metadata={"help": "prompt + max_tokens cap"})
+    admission_queue_size: int = dataclasses.field(default=64, metadata={"help": "requests waiting for KV"})
+    admission_max_wait_s: float = dataclasses.field(default=2.0, metadata={"help": "longest wait for KV"})
+    retry_after_ms: int = dataclasses.field(default=500, metadata={"help": "hint sent with refusals"})
     request_timeout_s: float = dataclasses.field(default=120.0, metadata={"help": "per-request deadline"})
     encode_timeout_s: float = dataclasses.field(default=60.0, metadata={"help": "encoder call deadline"})
 
     def validate(self) -> None:
         super().validate()
         for name in ("max_images_per_prompt", "max_item_bytes", "max_request_bytes", "max_image_pixels",
-                     "default_max_tokens", "request_timeout_s", "encode_timeout_s"):
+                     "default_max_tokens", "request_timeout_s", "encode_timeout_s", "max_tokens_cap",
+                     "max_projected_tokens", "retry_after_ms"):
             require_positive(name, getattr(self, name))

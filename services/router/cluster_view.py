@@ -1,0 +1,106 @@
+"""The router's picture of the cluster: live workers and encoders from the Redis registry.
+
+Refreshed in the background every `interval_s`. When Redis cannot answer, the last view is
+kept (a worker that died meanwhile is found out by its refused connection), so a Redis outage
+does not stop placement. Admissions this router made since a worker's last heartbeat are added
+to that worker's reserved blocks, so one burst cannot over-admit from a stale view (the worker
+still decides atomically; this only keeps the router's ranking honest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+from services.common.registry import Member, Registry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    address: str
+    total_blocks: int
+    capacity_blocks: int
+    reserved_blocks: int
+    running: int
+    waiting: int
+    block_size: int
+
+    @property
+    def unreserved_blocks(self) -> int:
+        return max(0, self.capacity_blocks - self.reserved_blocks)
+
+
+@dataclass(frozen=True)
+class EncoderView:
+    address: str
+    queued_tokens: int
+
+
+@dataclass
+class _Pending:
+    worker: str
+    blocks: int
+    at: float
+
+
+class ClusterView:
+    def __init__(self, registry: Registry, revision: str, interval_s: float = 0.1) -> None:
+        self._registry = registry
+        self._revision = revision
+        self._interval_s = interval_s
+        self._workers: list[Member] = []
+        self._encoders: list[Member] = []
+        self._pending: list[_Pending] = []
+        self._task: asyncio.Task | None = None
+        self.changed = asyncio.Event()
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            try:
+                await self.refresh()
+            except Exception:  # never let the refresher die
+                log.exception("cluster view refresh failed")
+
+    async def refresh(self) -> None:
+        workers = await asyncio.to_thread(self._registry.members, "worker", self._revision)
+        encoders = await asyncio.to_thread(self._registry.members, "encoder", self._revision)
+        if workers is not None:
+            self._workers = workers
+        if encoders is not None:
+            self._encoders = encoders
+        published = {m.address: m.published_at for m in self._workers}
+        self._pending = [p for p in self._pending if p.at > published.get(p.worker, math.inf)]
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def note_admitted(self, worker: str, blocks: int) -> None:
+        self._pending.append(_Pending(worker, blocks, time.time()))
+
+    def workers(self) -> list[WorkerView]:
+        out = []
+        for member in self._workers:
+            state = member.state
+            pending = sum(p.blocks for p in self._pending if p.worker == member.address)
+            out.append(WorkerView(
+                address=member.address, total_blocks=int(state["total_blocks"]),
+                capacity_blocks=int(state.get("capacity_blocks", state["total_blocks"])),
+                reserved_blocks=int(state["reserved_blocks"]) + pending, running=int(state["running"]),
+                waiting=int(state["waiting"]), block_size=int(state["block_size"])))
+        return out
+
+    def encoders(self) -> list[EncoderView]:
+        return [EncoderView(m.address, int(m.state.get("queued_tokens", 0))) for m in self._encoders]

@@ -1,0 +1,36 @@
+"""The router's metric instruments (names follow vLLM's, with an `epd_` prefix)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from opentelemetry.metrics import Counter, Histogram, Meter, UpDownCounter
+
+
+@dataclass(frozen=True)
+class RouterMetrics:
+    requests: Counter
+    rejections: Counter
+    fetch_refusals: Counter
+    media_refusals: Counter
+    queue_seconds: Histogram
+    ttft_seconds: Histogram
+    itl_seconds: Histogram
+    e2e_seconds: Histogram
+    encode_seconds: Histogram
+    running: UpDownCounter
+
+    @classmethod
+    def create(cls, meter: Meter) -> RouterMetrics:
+        return cls(
+            requests=meter.create_counter("epd_requests", description="requests by outcome"),
+            rejections=meter.create_counter("epd_admission_rejections", description="refusals by reason"),
+            fetch_refusals=meter.create_counter("epd_fetch_refusals", description="URL fetch refusals by reason"),
+            media_refusals=meter.create_counter("epd_media_refusals", description="media refusals by reason"),
+            queue_seconds=meter.create_histogram("epd_request_queue_time_seconds", unit="s"),
+            ttft_seconds=meter.create_histogram("epd_time_to_first_token_seconds", unit="s"),
+            itl_seconds=meter.create_histogram("epd_inter_token_latency_seconds", unit="s"),
+            e2e_seconds=meter.create_histogram("epd_e2e_request_latency_seconds", unit="s"),
+            encode_seconds=meter.create_histogram("epd_request_encode_time_seconds", unit="s"),
+            running=meter.create_up_down_counter("epd_num_requests_running"),
+        )
