@@ -18,6 +18,7 @@ from typing import Any
 from services.launch.service_process import HealthReport, ServiceProcess
 
 ROLES = ("router", "encoder", "worker")
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 
 
 class RayLaunchError(RuntimeError):
@@ -105,8 +106,8 @@ def plan_services(encoders: int, workers: int, *, router_port: int, encoder_port
     return specs
 
 
-def launch_on_ray(model_dir: str, *, encoders: int = 1, workers: int = 1,
-                  redis_url: str = "redis://127.0.0.1:6379/0", address: str | None = None,
+def launch_on_ray(model_dir: str | os.PathLike[str], *, encoders: int = 1, workers: int = 1,
+                  redis_url: str | None = None, address: str | None = None,
                   host: str | None = None, router_port: int = 50051, encoder_port: int = 50061,
                   worker_port: int = 50071, metrics_port: int | None = 9400,
                   env: Mapping[str, str] | None = None, cpus_per_service: float = 1.0,
@@ -116,7 +117,8 @@ def launch_on_ray(model_dir: str, *, encoders: int = 1, workers: int = 1,
     """Start router, encoders and workers as Ray actors and wait until all serve gRPC health.
 
     `env` adds EPD_* (or other) variables for every service; EPD_DEVICE there (or in this
-    process's environment) decides whether encoders and workers request GPUs. `command`
+    process's environment) decides whether encoders and workers request GPUs. `redis_url`
+    defaults to EPD_REDIS_URL from `env`, then from this process's environment. `command`
     replaces `epd` (for tests). On failure everything started is stopped and RayLaunchError
     says which service failed and why.
     """
@@ -124,6 +126,7 @@ def launch_on_ray(model_dir: str, *, encoders: int = 1, workers: int = 1,
 
     extra = dict(env or {})
     device = extra.get("EPD_DEVICE", os.environ.get("EPD_DEVICE", "cpu"))
+    redis_url = redis_url or extra.get("EPD_REDIS_URL") or os.environ.get("EPD_REDIS_URL", DEFAULT_REDIS)
     specs = plan_services(encoders, workers, router_port=router_port, encoder_port=encoder_port,
                           worker_port=worker_port, metrics_port=metrics_port, device=device,
                           cpus_per_service=cpus_per_service, gpus_per_encoder=gpus_per_encoder,
@@ -136,31 +139,34 @@ def launch_on_ray(model_dir: str, *, encoders: int = 1, workers: int = 1,
               for s in specs}
     cluster = RayCluster("", [], [], logs, actors, owns_ray)
     try:
-        placed = _place(ray, specs, actors, bind)
-        addrs = {s.name: a for s, (a, _, _) in zip(specs, placed, strict=True)}
-        cluster.encoder_addrs = [addrs[s.name] for s in specs if s.role == "encoder"]
-        cluster.worker_addrs = [addrs[s.name] for s in specs if s.role == "worker"]
-        cluster.router_addr = addrs["router-0"]
-        base_env = {**extra, "EPD_MODEL": str(model_dir), "EPD_REDIS_URL": redis_url, "EPD_HOST": bind,
-                    "EPD_DEVICE": device, "EPD_ENCODER_ADDRS": ",".join(cluster.encoder_addrs),
-                    "EPD_WORKER_ADDRS": ",".join(cluster.worker_addrs)}
-        starts = []
-        for spec, (advertise, port, metrics) in zip(specs, placed, strict=True):
-            service_env = {**base_env, "EPD_PORT": str(port), "EPD_METRICS_PORT": str(metrics),
-                           "EPD_ADVERTISE_ADDR": advertise}
-            argv = list(command) if command else None
-            starts.append(actors[spec.name].start.remote(argv, spec.role, service_env))
-        ray.get(starts)
-        local = [f"{'127.0.0.1' if bind == '0.0.0.0' else bind}:{port}" for _, port, _ in placed]
-        reports: list[HealthReport] = ray.get(
-            [actors[s.name].wait_healthy.remote(a, ready_timeout_s) for s, a in zip(specs, local, strict=True)])
-        failed = [r.detail for r in reports if not r.ok]
-        if failed:
-            raise RayLaunchError("epd services failed to start on Ray:\n" + "\n\n".join(failed))
+        placements = _place(ray, specs, actors, bind)
+        cluster.encoder_addrs = [placements[s.name].advertise for s in specs if s.role == "encoder"]
+        cluster.worker_addrs = [placements[s.name].advertise for s in specs if s.role == "worker"]
+        cluster.router_addr = placements["router-0"].advertise
+        shared = {**extra, "EPD_MODEL": str(model_dir), "EPD_REDIS_URL": redis_url, "EPD_HOST": bind,
+                  "EPD_DEVICE": device, "EPD_ENCODER_ADDRS": ",".join(cluster.encoder_addrs),
+                  "EPD_WORKER_ADDRS": ",".join(cluster.worker_addrs)}
+        ray.get([actors[s.name].start.remote(list(command) if command else None, s.role,
+                                             {**shared, **placements[s.name].env()}) for s in specs])
+        _wait_healthy(ray, specs, actors, placements, ready_timeout_s)
     except BaseException:
         cluster.stop()
         raise
     return cluster
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a service listens: its advertised host:port, the port on its node, its metrics port."""
+
+    advertise: str
+    local: str
+    port: int
+    metrics_port: int
+
+    def env(self) -> dict[str, str]:
+        return {"EPD_PORT": str(self.port), "EPD_METRICS_PORT": str(self.metrics_port),
+                "EPD_ADVERTISE_ADDR": self.advertise}
 
 
 def _connect(ray: Any, address: str | None, cpus_needed: float) -> bool:
@@ -175,8 +181,8 @@ def _connect(ray: Any, address: str | None, cpus_needed: float) -> bool:
     return True
 
 
-def _place(ray: Any, specs: list[ServiceSpec], actors: dict[str, Any], bind: str) -> list[tuple[str, int, int]]:
-    """(advertised address, port, metrics port) of each service, ports chosen on its node."""
+def _place(ray: Any, specs: list[ServiceSpec], actors: dict[str, Any], bind: str) -> dict[str, Placement]:
+    """Each service's Placement, free ports chosen on its own node (never twice on one node)."""
     node_ips = ray.get([actors[s.name].node_ip.remote() for s in specs])
     taken: set[tuple[str, int]] = {(ip, s.port) for s, ip in zip(specs, node_ips, strict=True) if s.port}
     taken |= {(ip, s.metrics_port) for s, ip in zip(specs, node_ips, strict=True) if s.metrics_port > 0}
@@ -189,10 +195,22 @@ def _place(ray: Any, specs: list[ServiceSpec], actors: dict[str, Any], bind: str
                 return port
         raise RayLaunchError(f"no free port found on {node_ip}")
 
-    placed = []
+    placements = {}
     for spec, node_ip in zip(specs, node_ips, strict=True):
         port = spec.port or pick(actors[spec.name], node_ip)
         metrics = spec.metrics_port if spec.metrics_port >= 0 else pick(actors[spec.name], node_ip)
-        advertise_host = node_ip if bind == "0.0.0.0" else bind
-        placed.append((f"{advertise_host}:{port}", port, metrics))
-    return placed
+        wildcard = bind == "0.0.0.0"
+        placements[spec.name] = Placement(advertise=f"{node_ip if wildcard else bind}:{port}",
+                                          local=f"{'127.0.0.1' if wildcard else bind}:{port}",
+                                          port=port, metrics_port=metrics)
+    return placements
+
+
+def _wait_healthy(ray: Any, specs: list[ServiceSpec], actors: dict[str, Any],
+                  placements: dict[str, Placement], timeout_s: float) -> None:
+    """Wait (on each service's own node) for SERVING; raise RayLaunchError naming the failures."""
+    reports: list[HealthReport] = ray.get(
+        [actors[s.name].wait_healthy.remote(placements[s.name].local, timeout_s) for s in specs])
+    failed = [r.detail for r in reports if not r.ok]
+    if failed:
+        raise RayLaunchError("epd services failed to start on Ray:\n" + "\n\n".join(failed))

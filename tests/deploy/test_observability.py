@@ -1,0 +1,89 @@
+"""Grafana dashboard, Prometheus rules and env examples: well formed, PromQL that parses, agreed names."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import promql_parser
+import pytest
+import yaml
+
+from tests.deploy.support import REPO, interface_env_names
+
+DASHBOARD = REPO / "deploy" / "grafana" / "epd-dashboard.json"
+RULES = REPO / "deploy" / "prometheus" / "epd-rules.yaml"
+DEPLOY_DOC = REPO / "docs" / "deploy.md"
+METRIC = re.compile(r"\bepd_[a-z0-9_]+")
+COMPOSE_ONLY_VARS = {"EPD_IMAGE", "EPD_GPU_IMAGE", "EPD_BIND", "EPD_MODELS", "EPD_GPU_KV_CACHE_BYTES"}
+
+
+def parse(expr: str) -> None:
+    """Parse PromQL, with Grafana's interval variable replaced as Grafana would."""
+    promql_parser.parse(expr.replace("$__rate_interval", "5m"))
+
+
+def documented_metrics() -> set[str]:
+    return set(re.findall(r"^\|\s*`(epd_[a-z0-9_]+)`", DEPLOY_DOC.read_text(), flags=re.MULTILINE))
+
+
+def base_name(metric: str) -> str:
+    return re.sub(r"_(bucket|count|sum)$", "", metric)
+
+
+def dashboard() -> dict[str, Any]:
+    return json.loads(DASHBOARD.read_text())
+
+
+def test_dashboard_panels_are_well_formed() -> None:
+    board = dashboard()
+    assert board["uid"] == "epd-overview" and board["title"] == "epd"
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids))
+    graphs = [p for p in board["panels"] if p["type"] == "timeseries"]
+    assert len(graphs) >= 12
+    for panel in graphs:
+        assert panel["datasource"]["uid"] == "${datasource}"
+        for target in panel["targets"]:
+            parse(target["expr"])
+
+
+def test_rules_parse_and_alerts_are_labelled() -> None:
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    records = {r["record"] for g in groups for r in g["rules"] if "record" in r}
+    alerts = [r for g in groups for r in g["rules"] if "alert" in r]
+    assert len(records) >= 5 and len(alerts) >= 5
+    for group in groups:
+        for rule in group["rules"]:
+            parse(rule["expr"])
+    for record in records:
+        assert re.fullmatch(r"epd:[a-z0-9_]+:[a-z0-9_]+", record), record
+    for alert in alerts:
+        assert alert["labels"]["severity"] in {"warning", "critical"}
+        assert alert["annotations"]["summary"] and alert["annotations"]["description"]
+        assert set(re.findall(r"epd:[a-z0-9_:]+", alert["expr"])) <= records
+
+
+def test_bad_promql_is_refused() -> None:
+    with pytest.raises(ValueError):
+        parse("sum(rate(epd_x_total[5m])")
+
+
+def test_every_metric_used_is_documented() -> None:
+    used = {base_name(m) for m in METRIC.findall(DASHBOARD.read_text() + RULES.read_text())}
+    documented = documented_metrics()
+    assert documented, "docs/deploy.md has no metrics table"
+    assert used <= documented, sorted(used - documented)
+
+
+@pytest.mark.parametrize("example", sorted((REPO / "deploy" / "env").glob("*.example")), ids=lambda p: p.name)
+def test_env_examples_use_agreed_names(example: Path) -> None:
+    names = re.findall(r"^(EPD_[A-Z0-9_]+)=", example.read_text(), flags=re.MULTILINE)
+    assert names
+    allowed = interface_env_names() | (COMPOSE_ONLY_VARS if example.name.startswith("compose") else set())
+    assert set(names) <= allowed, sorted(set(names) - allowed)
+    if example.name.startswith("compose"):
+        compose_text = (REPO / "docker-compose.yml").read_text()
+        assert all("${" + name + ":-" in compose_text for name in names), names
