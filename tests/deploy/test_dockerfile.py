@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import fnmatch
 import re
+import shutil
+import subprocess
+import sys
 import tomllib
+import zipfile
+from pathlib import Path
 
 import dockerfile
 
@@ -69,3 +75,41 @@ def test_build_context_sources_exist_and_dockerignore_keeps_them() -> None:
     assert ignore[1] == "**" or "**" in ignore
     for kept in ("!pyproject.toml", "!proto/**", "!services/**"):
         assert kept in ignore
+
+
+def context_files() -> list[Path]:
+    """The files `docker build .` sends, by .dockerignore's rules (last matching pattern wins)."""
+    patterns = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    kept = []
+    for path in sorted(p for p in REPO.rglob("*") if p.is_file() and ".venv" not in p.parts
+                       and ".git" not in p.parts):
+        rel = path.relative_to(REPO).as_posix()
+        include = True
+        for pattern in patterns:
+            negated = pattern.startswith("!")
+            glob = pattern.lstrip("!").replace("**/", "*").replace("/**", "/*").replace("**", "*")
+            if fnmatch.fnmatch(rel, glob):
+                include = negated
+        if include:
+            kept.append(path)
+    return kept
+
+
+def test_package_builds_from_the_docker_context(tmp_path: Path) -> None:
+    files = context_files()
+    names = {p.relative_to(REPO).as_posix() for p in files}
+    assert "pyproject.toml" in names and "services/cli.py" in names
+    assert not any(n.startswith(("tests/", "charts/", ".venv/")) or n.endswith(".pyc") for n in names)
+    context = tmp_path / "context"
+    for path in files:
+        target = context / path.relative_to(REPO)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, target)
+    out = tmp_path / "wheel"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(out), str(context)], check=True, capture_output=True, timeout=300)
+    (wheel,) = out.glob("epd-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        members = set(archive.namelist())
+    assert {"services/cli.py", "services/common/rpc/epd/v1/generation_pb2.py"} <= members
