@@ -115,7 +115,7 @@ def ensure_redis(url: str) -> subprocess.Popen | None:
     raise RuntimeError(f"started redis-server but {url} does not answer")
 
 
-def _spawn(role: str, port: int, metrics_port: int, env: dict[str, str], log_dir: Path) -> Process:
+def spawn(role: str, port: int, metrics_port: int, env: dict[str, str], log_dir: Path) -> Process:
     log_path = log_dir / f"{role}-{port}.log"
     child_env = {**os.environ, **env, "EPD_PORT": str(port), "EPD_METRICS_PORT": str(metrics_port),
                  "EPD_HOST": "127.0.0.1", "EPD_ADVERTISE_ADDR": f"127.0.0.1:{port}"}
@@ -136,12 +136,12 @@ def start_cluster(spec: ClusterSpec, timeout_s: float = 180.0) -> LocalCluster:
 
     base = {"EPD_MODEL": str(spec.model_dir), "EPD_REDIS_URL": spec.redis_url, **spec.env}
     metrics = iter(range(METRICS_PORT, METRICS_PORT + 1 + spec.encoders + spec.workers))
-    encoders = [_spawn("encoder", port(ENCODER_PORT + i), free_port() if spec.free_ports else next(metrics),
+    encoders = [spawn("encoder", port(ENCODER_PORT + i), free_port() if spec.free_ports else next(metrics),
                        base, log_dir) for i in range(spec.encoders)]
-    workers = [_spawn("worker", port(WORKER_PORT + i), free_port() if spec.free_ports else next(metrics),
+    workers = [spawn("worker", port(WORKER_PORT + i), free_port() if spec.free_ports else next(metrics),
                       base, log_dir) for i in range(spec.workers)]
     router_env = {**base, "EPD_ENCODER_ADDRS": ",".join(p.address for p in encoders)}
-    router = _spawn("router", port(ROUTER_PORT), free_port() if spec.free_ports else next(metrics),
+    router = spawn("router", port(ROUTER_PORT), free_port() if spec.free_ports else next(metrics),
                     router_env, log_dir)
     cluster = LocalCluster(router, encoders, workers, spec.redis_url, redis_process)
     try:

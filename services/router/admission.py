@@ -1,10 +1,12 @@
 """Admission: a request is placed only where its projected tokens' KV blocks are reserved.
 
-Policy, in order: no live worker -> UNAVAILABLE; more blocks than any worker could ever hold ->
-FAILED_PRECONDITION; fewer unreserved blocks in the whole cluster than it needs ->
-RESOURCE_EXHAUSTED at once. Otherwise the ranked workers are asked in turn (the worker decides
-atomically); when none accepts, the request waits in a bounded queue until the view changes or
-its wait deadline, then gets RESOURCE_EXHAUSTED with `retry-after-ms`. Invariant: `waiting`
+Policy, in order: no live worker -> UNAVAILABLE (after waiting up to the queue deadline for one
+to register); more blocks than any worker could ever hold -> FAILED_PRECONDITION; no worker with
+enough unreserved blocks in the router's view -> RESOURCE_EXHAUSTED at once (a request cannot
+span workers, so the cluster's total is not the test). Otherwise the ranked workers are asked in
+turn (the worker decides atomically); when all refuse (the view was stale: another router got
+there first), the request waits in a bounded queue until the view changes or its wait deadline,
+then gets RESOURCE_EXHAUSTED with `retry-after-ms`. Invariant: `waiting`
 never exceeds `queue_size`, so overload turns into fast refusals, not growing latency.
 """
 
@@ -77,9 +79,10 @@ class Admission:
             raise Rejection(grpc.StatusCode.FAILED_PRECONDITION,
                             f"request projects {projected_tokens} tokens = {need} KV blocks; the largest worker "
                             f"holds {largest} blocks", "never_fits")
-        free = sum(w.unreserved_blocks for w in workers)
+        # A request cannot span workers, so "the cluster can hold it" means some worker can.
+        free = max(w.unreserved_blocks for w in workers)
         if free < need:
-            raise self._exhausted(f"cluster has {free} unreserved KV blocks, request needs {need}; retry later",
+            raise self._exhausted(f"no worker has {need} unreserved KV blocks (most: {free}); retry later",
                                   "cluster_full")
         return need
 

@@ -1,0 +1,149 @@
+"""Admission under overload, with real workers whose KV holds only a few requests.
+
+Each worker has 64 KV blocks of 16 tokens; a request projects ~400 tokens (25 blocks), so each
+worker holds two at once and the cluster four. Offered load is twice that.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.client import Client, user_request
+from services.common.registry import Registry
+from services.launch.health import wait_healthy
+from services.launch.local import ClusterSpec, LocalCluster, Process, free_port, spawn, start_cluster
+from tests.integration.conftest import RedisServer
+
+BLOCK_BYTES = 2 * 2 * 2 * 16 * 16 * 4  # K and V x layers x kv heads x head dim x block size x fp32
+KV_BLOCKS = 64
+MAX_TOKENS = 150
+PROMPT = " ".join(["describe the bright window near the small table"] * 10)
+
+
+@dataclass
+class Outcome:
+    tokens: int = 0
+    code: grpc.StatusCode | None = None
+    details: str = ""
+    retry_after_ms: str | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class Sampler:
+    """Samples every worker's published KV state while a burst runs."""
+
+    registry: Registry
+    states: list[dict] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            for member in self.registry.members("worker") or []:
+                self.states.append(member.state)
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path, redis_server: RedisServer,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, Process]]:
+    log_dir = tmp_path_factory.mktemp("logs")
+    env = {"EPD_KV_CACHE_BYTES": str(KV_BLOCKS * BLOCK_BYTES), "EPD_ADMISSION_MAX_WAIT_S": "0.5"}
+    local = start_cluster(ClusterSpec(tiny_model_dir, workers=2, redis_url=redis_server.url, free_ports=True,
+                                      env=env, log_dir=log_dir))
+    base = {"EPD_MODEL": str(tiny_model_dir), "EPD_REDIS_URL": redis_server.url, **env}
+    second_router = spawn("router", free_port(), free_port(), base, log_dir)
+    wait_healthy(second_router.address, 120)
+    yield local, second_router
+    second_router.popen.terminate()
+    second_router.popen.wait(10)
+    local.stop()
+
+
+def _one(address: str, index: int) -> Outcome:
+    request = user_request(f"{index} {PROMPT}", max_tokens=MAX_TOKENS)
+    request.sampling.ignore_eos = True
+    start = time.perf_counter()
+    with Client(address) as client:
+        try:
+            answer = client.generate(request, timeout_s=120)
+            return Outcome(tokens=len(answer.token_ids), seconds=time.perf_counter() - start)
+        except grpc.RpcError as exc:
+            trailing = dict(exc.trailing_metadata() or ())
+            return Outcome(code=exc.code(), details=exc.details(), retry_after_ms=trailing.get("retry-after-ms"),
+                           seconds=time.perf_counter() - start)
+
+
+def _burst(addresses: list[str], count: int, redis_url: str) -> tuple[list[Outcome], list[dict]]:
+    sampler = Sampler(Registry(redis_url))
+    thread = threading.Thread(target=sampler.run)
+    thread.start()
+    try:
+        with ThreadPoolExecutor(count) as pool:
+            outcomes = list(pool.map(lambda i: _one(addresses[i % len(addresses)], i), range(count)))
+    finally:
+        sampler.stop()
+        thread.join()
+    return outcomes, sampler.states
+
+
+def _check_never_over_reserved(states: list[dict]) -> None:
+    assert states, "no worker state was sampled"
+    for state in states:
+        assert state["total_blocks"] == KV_BLOCKS
+        assert state["reserved_blocks"] <= state["capacity_blocks"] == KV_BLOCKS, state
+        assert 0 <= state["free_blocks"] <= state["total_blocks"], state
+
+
+def _check_outcomes(outcomes: list[Outcome]) -> list[Outcome]:
+    refused = [o for o in outcomes if o.code is not None]
+    for o in outcomes:
+        if o.code is None:
+            assert o.tokens == MAX_TOKENS
+        else:
+            assert o.code == grpc.StatusCode.RESOURCE_EXHAUSTED, (o.code, o.details)
+            assert o.retry_after_ms is not None and int(o.retry_after_ms) > 0
+            assert "KV blocks" in o.details or "queue" in o.details
+    return refused
+
+
+def test_overload_is_refused_fast_and_never_over_reserves(cluster, redis_server: RedisServer) -> None:
+    local, _ = cluster
+    half, half_states = _burst([local.address], 4, redis_server.url)  # exactly what the KV holds
+    assert all(o.code is None for o in half), [o.details for o in half]
+    double, states = _burst([local.address], 8, redis_server.url)
+    _check_never_over_reserved(half_states + states)
+    refused = _check_outcomes(double)
+    assert 1 <= len(refused) <= 6
+    # a refusal must not have waited out the queue deadline (0.5 s here): it is decided at once
+    assert max(o.seconds for o in refused) < 0.5
+    assert all(s.get("preemptions", 0) == 0 for s in states)
+
+
+def test_two_routers_never_over_admit(cluster, redis_server: RedisServer) -> None:
+    local, second = cluster
+    outcomes, states = _burst([local.address, second.address], 16, redis_server.url)
+    _check_never_over_reserved(states)
+    refused = _check_outcomes(outcomes)
+    assert len(refused) < 16
+    assert max(state["running"] + state["waiting"] for state in states) <= 2
+
+
+def test_never_fits_is_failed_precondition(cluster) -> None:
+    local, _ = cluster
+    request = user_request("hello", max_tokens=KV_BLOCKS * 16 + 1)
+    with Client(local.address) as client, pytest.raises(grpc.RpcError) as info:
+        client.generate(request)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "KV blocks" in info.value.details()
