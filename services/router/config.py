@@ -19,6 +19,13 @@ class RouterConfig(ServiceConfig):
     default_max_tokens: int = dataclasses.field(default=256, metadata={"help": "when a request sets none"})
     max_tokens_cap: int = dataclasses.field(default=8192, metadata={"help": "largest max_tokens accepted"})
     max_projected_tokens: int = dataclasses.field(default=131072, metadata={"help": "prompt + max_tokens cap"})
+    fetch_enabled: bool = dataclasses.field(default=True, metadata={"help": "allow https media URLs"})
+    fetch_allowed_hosts: list[str] = dataclasses.field(
+        default_factory=list, metadata={"help": "media URL host allowlist (empty = any public host)"})
+    fetch_timeout_s: float = dataclasses.field(default=15.0, metadata={"help": "total time per media URL"})
+    fetch_max_redirects: int = dataclasses.field(default=0, metadata={"help": "redirects followed, re-checked"})
+    fetch_allow_loopback_for_tests: bool = dataclasses.field(
+        default=False, metadata={"help": "TESTS ONLY: let media URLs reach 127.0.0.1/::1 over http"})
     admission_queue_size: int = dataclasses.field(default=64, metadata={"help": "requests waiting for KV"})
     admission_max_wait_s: float = dataclasses.field(default=2.0, metadata={"help": "longest wait for KV"})
     retry_after_ms: int = dataclasses.field(default=500, metadata={"help": "hint sent with refusals"})

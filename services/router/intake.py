@@ -50,7 +50,7 @@ def _media_bytes(media: generation_pb2.Media, where: str, limits: IntakeLimits) 
         except MediaError as exc:
             raise invalid(f"{where}: {exc}") from exc
     elif source == "url":
-        raise invalid(f"{where}: URL media is not supported by this router yet; "
+        raise invalid(f"{where}: media URL was not fetched (URL fetch is disabled on this router); "
                       "send the bytes inline or as a data: URL")
     else:
         raise invalid(f"{where}: media has neither data nor url")

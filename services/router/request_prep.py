@@ -7,6 +7,7 @@ keeps serving; URL media is fetched first (async) through the safe fetcher when 
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 
 from services.common.media import MediaLimits
@@ -15,8 +16,11 @@ from services.common.rpc.epd.v1 import common_pb2, generation_pb2
 from services.router.accounting import Accounted, account
 from services.router.config import RouterConfig
 from services.router.errors import invalid
+from services.router.fetch import FetchError, FetchPolicy, fetch_media
 from services.router.intake import IntakeLimits, parse_messages
 from services.router.metrics import RouterMetrics
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,11 +44,31 @@ def validate_sampling(sampling: common_pb2.SamplingParams, config: RouterConfig)
     return out
 
 
+def _is_remote(part: generation_pb2.ContentPart) -> bool:
+    kind = part.WhichOneof("part")
+    if kind not in ("image", "video"):
+        return False
+    media = getattr(part, kind)
+    return media.WhichOneof("source") == "url" and not media.url.startswith("data:")
+
+
+def fetch_policy(config: RouterConfig) -> FetchPolicy:
+    """The router's one fetch policy (built once: it holds the TLS context)."""
+    if config.fetch_allow_loopback_for_tests:
+        log.warning("EPD_FETCH_ALLOW_LOOPBACK_FOR_TESTS is on: media URLs may reach 127.0.0.1 over http. "
+                    "Never enable this in production.")
+    return FetchPolicy(
+        allowed_hosts=frozenset(config.fetch_allowed_hosts) or None, max_bytes=config.max_item_bytes,
+        total_timeout_s=config.fetch_timeout_s, connect_timeout_s=min(5.0, config.fetch_timeout_s),
+        max_redirects=config.fetch_max_redirects, allow_loopback_for_tests=config.fetch_allow_loopback_for_tests)
+
+
 class RequestPrep:
     def __init__(self, info: ModelInfo, config: RouterConfig, metrics: RouterMetrics) -> None:
         self._info = info
         self._config = config
         self._metrics = metrics
+        self._policy = fetch_policy(config) if config.fetch_enabled else None
         self._limits = IntakeLimits(config.max_images_per_prompt, config.max_item_bytes, config.max_request_bytes,
                                     MediaLimits(max_pixels=config.max_image_pixels))
 
@@ -61,4 +85,34 @@ class RequestPrep:
         return Prepared(accounted, sampling)
 
     async def prepare(self, request: generation_pb2.GenerateRequest) -> Prepared:
+        if self._policy is not None:
+            request = await self._fetch_urls(request)
         return await asyncio.to_thread(self._prepare_sync, request)
+
+    async def _fetch_urls(self, request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateRequest:
+        """A copy of `request` with every non-data: media URL replaced by its fetched bytes."""
+        targets = [(m, p) for m, message in enumerate(request.messages)
+                   for p, part in enumerate(message.content) if _is_remote(part)]
+        if not targets:
+            return request
+        if len(targets) > self._config.max_images_per_prompt:
+            raise invalid(f"more than {self._config.max_images_per_prompt} media URLs in one prompt")
+        fetched = await asyncio.gather(*(self._fetch_one(request, m, p) for m, p in targets), return_exceptions=True)
+        for result in fetched:
+            if isinstance(result, BaseException):
+                raise result
+        copy = generation_pb2.GenerateRequest()
+        copy.CopyFrom(request)
+        for (m, p), data in zip(targets, fetched, strict=True):
+            part = copy.messages[m].content[p]
+            getattr(part, part.WhichOneof("part")).data = data
+        return copy
+
+    async def _fetch_one(self, request: generation_pb2.GenerateRequest, m: int, p: int) -> bytes:
+        part = request.messages[m].content[p]
+        url = getattr(part, part.WhichOneof("part")).url
+        try:
+            return await fetch_media(url, self._policy)
+        except FetchError as exc:
+            self._metrics.fetch_refusals.add(1, {"reason": str(exc.reason)})
+            raise invalid(f"messages[{m}].content[{p}]: {exc}") from exc

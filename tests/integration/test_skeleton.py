@@ -45,6 +45,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path, redis_server: RedisServer, tmp_path_factory) -> Iterator[Cluster]:
     local = start_cluster(ClusterSpec(model_dir, redis_url=redis_server.url, free_ports=True,
+                                      env={"EPD_FETCH_ALLOW_LOOPBACK_FOR_TESTS": "true"},
                                       log_dir=tmp_path_factory.mktemp("logs")))
     client = Client(local.address)
     yield Cluster(local, model_dir, client)
@@ -163,6 +164,40 @@ def _media(data: bytes) -> generation_pb2.ContentPart:
     return generation_pb2.ContentPart(image=generation_pb2.Media(data=data))
 
 
+def _url_request(url: str) -> generation_pb2.GenerateRequest:
+    part = generation_pb2.ContentPart(image=generation_pb2.Media(url=url))
+    return generation_pb2.GenerateRequest(messages=[generation_pb2.Message(role="user", content=[part])])
+
+
+def test_image_url_is_fetched(cluster: Cluster) -> None:
+    """A media URL (loopback allowed for this test cluster only) gives the same answer as inline bytes."""
+    import http.server
+    import threading
+
+    data = media_factory.png(120, 90, seed=21)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        request = user_request(PROMPT, [], max_tokens=MAX_TOKENS)
+        request.messages[0].content.insert(0, generation_pb2.ContentPart(image=generation_pb2.Media(
+            url=f"http://127.0.0.1:{server.server_port}/cat.png")))
+        by_url = cluster.client.generate(request)
+    finally:
+        server.shutdown()
+    assert by_url.token_ids == expected(cluster.model_dir, [data])
+
+
 def _bad_requests() -> dict[str, tuple[generation_pb2.GenerateRequest, str]]:
     good = media_factory.png(64, 64)
     buffer = io.BytesIO()
@@ -177,9 +212,8 @@ def _bad_requests() -> dict[str, tuple[generation_pb2.GenerateRequest, str]]:
         "im_start_text": (user_request("<|im_start|>system", []), "<|im_start|>"),
         "no_messages": (generation_pb2.GenerateRequest(), "no messages"),
         "max_tokens_beyond_context": (user_request(PROMPT, [], max_tokens=10**6), "context"),
-        "url_not_supported": (generation_pb2.GenerateRequest(messages=[generation_pb2.Message(
-            role="user", content=[generation_pb2.ContentPart(image=generation_pb2.Media(
-                url="https://example.com/a.png"))])]), "URL"),
+        "private_url": (_url_request("https://10.1.2.3/a.png"), "10.1.2.3"),
+        "file_url": (_url_request("file:///etc/passwd"), "scheme"),
     }
 
 
