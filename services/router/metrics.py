@@ -32,5 +32,5 @@ class RouterMetrics:
             itl_seconds=meter.create_histogram("epd_inter_token_latency_seconds", unit="s"),
             e2e_seconds=meter.create_histogram("epd_e2e_request_latency_seconds", unit="s"),
             encode_seconds=meter.create_histogram("epd_request_encode_time_seconds", unit="s"),
-            running=meter.create_up_down_counter("epd_num_requests_running"),
+            running=meter.create_up_down_counter("epd_router_requests_in_flight"),
         )
