@@ -1,0 +1,129 @@
+"""Faults under load: kill -9 an encoder, stop Redis, kill -9 a worker.
+
+Clients keep sending image requests (new images, so encoders stay busy) the whole time. Every
+request must end within the router's deadline with tokens or a clear status, and the cluster must
+serve normally after each fault. The phases run in order on one cluster (2 encoders, 2 workers).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.client import Client, user_request
+from services.launch.local import ClusterSpec, LocalCluster, start_cluster
+from tests import media_factory
+from tests.integration.conftest import RedisServer
+
+DEADLINE_S = 20.0
+CLEAR = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+@dataclass
+class Result:
+    ok: bool
+    seconds: float
+    code: grpc.StatusCode | None = None
+    details: str = ""
+
+
+class Load:
+    """`clients` threads sending requests back to back until stopped."""
+
+    def __init__(self, address: str, clients: int = 4) -> None:
+        self._address = address
+        self._clients = clients
+        self._stop = threading.Event()
+        self._seeds = itertools.count(1000)
+        self.results: list[Result] = []
+        self._pool = ThreadPoolExecutor(clients)
+
+    def _loop(self) -> None:
+        with Client(self._address) as client:
+            while not self._stop.is_set():
+                seed = next(self._seeds)
+                images = [media_factory.png(64 + seed % 50, 48 + seed % 30, seed=seed)] if seed % 3 else []
+                start = time.perf_counter()
+                try:
+                    answer = client.generate(user_request(f"request {seed}", images, max_tokens=8),
+                                             timeout_s=DEADLINE_S * 3)
+                    self.results.append(Result(len(answer.token_ids) > 0 and answer.final is not None,
+                                               time.perf_counter() - start))
+                except grpc.RpcError as exc:
+                    self.results.append(Result(False, time.perf_counter() - start, exc.code(), exc.details()))
+
+    def __enter__(self) -> Load:
+        for _ in range(self._clients):
+            self._pool.submit(self._loop)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path, redis_server: RedisServer, tmp_path_factory) -> Iterator[LocalCluster]:
+    local = start_cluster(ClusterSpec(tiny_model_dir, encoders=2, workers=2, redis_url=redis_server.url,
+                                      free_ports=True, env={"EPD_REQUEST_TIMEOUT_S": str(DEADLINE_S)},
+                                      log_dir=tmp_path_factory.mktemp("logs")))
+    yield local
+    local.stop()
+
+
+def _check(results: list[Result], phase: str) -> None:
+    assert results, f"{phase}: no request completed"
+    for r in results:
+        assert r.seconds < DEADLINE_S + 2, f"{phase}: a request took {r.seconds:.1f}s ({r.code}: {r.details})"
+        if not r.ok:
+            assert r.code in CLEAR, f"{phase}: unclear failure {r.code}: {r.details}"
+            assert r.details, f"{phase}: failure without a message"
+    assert sum(r.ok for r in results) >= len(results) // 2, f"{phase}: most requests failed"
+
+
+def _serves_normally(cluster: LocalCluster) -> None:
+    with Client(cluster.address) as client:
+        for seed in range(3):
+            answer = client.generate(user_request("after", [media_factory.png(70, 70, seed=5000 + seed)],
+                                                  max_tokens=6), timeout_s=DEADLINE_S)
+            assert len(answer.token_ids) > 0 and answer.final.usage.image_tokens > 0
+
+
+def test_encoder_killed_under_load(cluster: LocalCluster) -> None:
+    with Load(cluster.address) as load:
+        time.sleep(2)
+        os.kill(cluster.encoders[0].popen.pid, signal.SIGKILL)
+        time.sleep(4)
+    _check(load.results, "encoder kill")
+    _serves_normally(cluster)
+
+
+def test_redis_stopped_under_load(cluster: LocalCluster, redis_server: RedisServer) -> None:
+    with Load(cluster.address) as load:
+        time.sleep(1)
+        redis_server.stop()
+        time.sleep(3)
+        redis_server.start()
+        time.sleep(2)
+    _check(load.results, "redis stop")
+    time.sleep(1)
+    _serves_normally(cluster)
+
+
+def test_worker_killed_under_load(cluster: LocalCluster) -> None:
+    with Load(cluster.address) as load:
+        time.sleep(2)
+        os.kill(cluster.workers[0].popen.pid, signal.SIGKILL)
+        time.sleep(4)
+    _check(load.results, "worker kill")
+    _serves_normally(cluster)
