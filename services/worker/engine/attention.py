@@ -22,7 +22,10 @@ CONTEXT_KWARG = "epd_attention"
 
 @dataclass
 class KVCache:
-    """Per-layer block tensors ``[num_blocks, block_size, kv_heads, head_dim]`` for keys and values."""
+    """Per-layer block tensors ``[kv_heads, num_blocks, block_size, head_dim]`` for keys and values.
+
+    Head-major, so a gather of whole blocks is directly ``[kv_heads, tokens, head_dim]`` for SDPA.
+    """
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
@@ -45,8 +48,8 @@ class AttentionContext:
     kv: KVCache
     slot_mapping: torch.Tensor
     num_decodes: int
-    decode_block_table: torch.Tensor | None
-    decode_mask: torch.Tensor | None
+    decode_block_table: torch.Tensor | None  # [B, blocks], padded with block 0
+    decode_mask: torch.Tensor | None  # [B, 1, 1, blocks * size] additive: 0 inside the context, -inf past it
     chunks: list[ChunkSpan]
 
 
@@ -74,56 +77,66 @@ def paged_attention(
         raise NotImplementedError("paged attention does not support sliding-window layers")
     layer = module.layer_idx
     k_cache, v_cache = ctx.kv.keys[layer], ctx.kv.values[layer]
-    _write_slots(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), ctx.slot_mapping)
+    key, value = key[0], value[0]  # [Hkv, T, D]
+    _write_slots(k_cache, key, ctx.slot_mapping)
+    _write_slots(v_cache, value, ctx.slot_mapping)
     q = query[0]  # [H, T, D]
     parts = []
     if ctx.num_decodes:
         parts.append(_decode_attention(q[:, : ctx.num_decodes], k_cache, v_cache, ctx, scaling))
     for chunk in ctx.chunks:
-        rows = q[:, chunk.query_start : chunk.query_start + chunk.query_len]
-        parts.append(_chunk_attention(rows, k_cache, v_cache, chunk, scaling))
+        rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+        if chunk.context_len == chunk.query_len:  # nothing cached before it: this step's K/V is the context
+            keys, values = key[:, rows], value[:, rows]
+        else:
+            keys = _gather(k_cache, chunk.block_ids)[:, : chunk.context_len]
+            values = _gather(v_cache, chunk.block_ids)[:, : chunk.context_len]
+        parts.append(_chunk_attention(q[:, rows], keys, values, scaling))
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     return out.unsqueeze(0), None
 
 
-def _write_slots(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
-) -> None:
-    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
+def _write_slots(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store ``rows [Hkv, T, D]`` at flat slot indices ``slots [T]`` of ``cache [Hkv, blocks, size, D]``."""
+    heads, _, _, head_dim = cache.shape
+    cache.view(heads, -1, head_dim).index_copy_(1, slots, rows.to(cache.dtype))
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Whole blocks ``block_ids`` (any shape ``[..., n]``) as ``[..., n * block_size, kv_heads, head_dim]``."""
-    blocks = cache.index_select(0, block_ids.reshape(-1))
-    return blocks.view(*block_ids.shape[:-1], -1, cache.shape[2], cache.shape[3])
+    """Whole blocks ``block_ids [n]`` of ``cache [Hkv, blocks, size, D]`` as ``[Hkv, n * size, D]``."""
+    return cache.index_select(1, block_ids).flatten(1, 2)
 
 
 def _decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext, scaling: float | None
 ) -> torch.Tensor:
-    """Single-token queries ``[H, B, D]`` against their padded contexts; returns ``[B, H, D]``."""
-    keys = _gather(k_cache, ctx.decode_block_table).transpose(1, 2)  # [B, Hkv, S, D]
-    values = _gather(v_cache, ctx.decode_block_table).transpose(1, 2)
-    query = q.transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=ctx.decode_mask, scale=scaling, enable_gqa=True)
-    return out.squeeze(2)
+    """Single-token queries ``[H, B, D]`` against their padded contexts; returns ``[B, H, D]``.
+
+    The query heads sharing a KV head ride on the query-length axis, so no K/V is repeated.
+    """
+    table = ctx.decode_block_table
+    batch, heads, head_dim = table.shape[0], q.shape[0], q.shape[2]
+    kv_heads = k_cache.shape[0]
+    keys = _gather(k_cache, table.flatten()).view(kv_heads, batch, -1, head_dim).transpose(0, 1)
+    values = _gather(v_cache, table.flatten()).view(kv_heads, batch, -1, head_dim).transpose(0, 1)
+    query = q.transpose(0, 1).reshape(batch, kv_heads, heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=ctx.decode_mask, scale=scaling)
+    return out.reshape(batch, heads, head_dim)
 
 
-def _chunk_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: ChunkSpan, scaling: float | None
-) -> torch.Tensor:
-    """A chunk's queries ``[H, q, D]`` against its whole context, bottom-right causal; returns ``[q, H, D]``."""
-    ctx_len, q_len = chunk.context_len, chunk.query_len
-    keys = _gather(k_cache, chunk.block_ids)[:ctx_len].transpose(0, 1)  # [Hkv, ctx, D]
-    values = _gather(v_cache, chunk.block_ids)[:ctx_len].transpose(0, 1)
-    if ctx_len == q_len:
-        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scaling, enable_gqa=True)
-    else:
+def _chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """A chunk's queries ``[H, q, D]`` over its context ``[Hkv, ctx, D]``, bottom-right causal; ``[q, H, D]``.
+
+    Inputs get a batch axis: 4-D inputs take torch's fused CPU kernel, 3-D ones its slow reference path.
+    """
+    q_len, ctx_len = q.shape[1], keys.shape[1]
+    mask = None
+    if ctx_len != q_len:
         mask = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device).tril(ctx_len - q_len)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
-    return out.transpose(0, 1)
+    out = F.scaled_dot_product_attention(
+        q[None], keys[None], values[None], attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=True
+    )
+    return out[0].transpose(0, 1)
 
 
 def install_paged_attention(model: torch.nn.Module) -> None:

@@ -61,14 +61,14 @@ class ModelRunner:
         self.block_size = config.block_size
         self.device = torch.device(config.device)
         self.shape = KVShape.of(model)
-        dtype = config.torch_dtype
+        self.dtype = dtype = config.torch_dtype
         self.num_blocks = config.kv_cache_bytes // self.shape.block_bytes(config.block_size, dtype)
         if self.num_blocks < 1:
             raise ValueError(
                 f"kv_cache_bytes={config.kv_cache_bytes} holds no block of "
                 f"{self.shape.block_bytes(config.block_size, dtype)} bytes"
             )
-        dims = (self.num_blocks, config.block_size, self.shape.kv_heads, self.shape.head_dim)
+        dims = (self.shape.kv_heads, self.num_blocks, config.block_size, self.shape.head_dim)
         layers = range(self.shape.num_layers)
         self.kv = KVCache(
             keys=[torch.zeros(dims, dtype=dtype, device=self.device) for _ in layers],
@@ -119,7 +119,9 @@ class ModelRunner:
             rows = [c.seq.block_table[:width] + [0] * (width - len(c.seq.block_table[:width])) for c in decodes]
             table = torch.tensor(rows, dtype=torch.long, device=device)
             span = torch.arange(width * size, device=device)
-            mask = (span[None, :] < torch.tensor(lengths, device=device)[:, None])[:, None, None, :]
+            outside = span[None, :] >= torch.tensor(lengths, device=device)[:, None]
+            mask = torch.zeros(outside.shape, dtype=self.dtype, device=device).masked_fill_(outside, float("-inf"))
+            mask = mask[:, None, None, :]
         spans = []
         query_start = len(decodes)
         for chunk in ordered[len(decodes) :]:

@@ -1,0 +1,198 @@
+"""Benchmark: our engine against transformers' `generate` with static batches, one workload, same run.
+
+    python -m tests.bench.bench_engine [--quick] [--model DIR] [--requests 64] ...
+
+Mixed workload: text prompts, a share of them with a 448x448 image, 64 to 256 output tokens (eos
+ignored, so both runs produce exactly the same number of tokens), Poisson arrivals. Images are encoded
+in both runs on the same process (the engine encodes at arrival, as a co-located worker; `generate` runs
+the vision tower inside each batch). Prints tokens/s, TTFT and inter-token latency p50/p99 for both,
+then one JSON line with `tokens_per_s`, `baseline_tokens_per_s` and `ratio`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.models.registry import load_adapter
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions
+from tests.bench.hf_baseline import run_static_batches
+from tests.bench.workload import BenchRequest, Summary, Timeline, make_workload, summarize
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="epd bench engine", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, help="model folder (default: a tiny random Qwen2-VL built offline)")
+    parser.add_argument("--quick", action="store_true", help="a small workload, for a smoke run")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--image-fraction", type=float, default=0.5)
+    parser.add_argument("--min-output", type=int, default=64)
+    parser.add_argument("--max-output", type=int, default=256)
+    parser.add_argument("--mean-interval-ms", type=float, default=20.0, help="mean gap between arrivals")
+    parser.add_argument("--baseline-batch", type=int, default=16, help="static batch size for generate")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per op (0: torch's default)")
+    parser.add_argument(
+        "--colocated", action="store_true", help="encode images on the engine thread (default: an encoder thread)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.requests, args.min_output, args.max_output = min(args.requests, 16), 16, 48
+    return args
+
+
+class EncoderThread:
+    """Stands in for the encoder service: encodes images off the engine thread, hands embeddings back."""
+
+    def __init__(self, adapter: Any, model: Any) -> None:
+        self.adapter, self.model = adapter, model
+        self.inbox: queue.SimpleQueue[list[BenchRequest] | None] = queue.SimpleQueue()
+        self.outbox: queue.SimpleQueue[tuple[str, torch.Tensor]] = queue.SimpleQueue()
+        self.busy_s = 0.0
+        self.thread = threading.Thread(target=self._run, name="bench-encoder", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (batch := self.inbox.get()) is not None:
+            started = time.perf_counter()
+            with torch.inference_mode():
+                embeddings = self.adapter.encode(self.model, [r.pixels for r in batch])
+            self.busy_s += time.perf_counter() - started
+            for request, embedding in zip(batch, embeddings, strict=True):
+                self.outbox.put((request.request_id, embedding))
+
+    def close(self) -> None:
+        self.inbox.put(None)
+        self.thread.join()
+
+
+def run_engine(
+    adapter: Any, model: Any, requests: list[BenchRequest], config: EngineConfig, colocated: bool
+) -> list[Timeline]:
+    """Feed requests at their arrival times and step until all finish.
+
+    Images go to an encoder thread (or, ``colocated``, are encoded on the engine thread at arrival);
+    a request enters the engine at arrival, its image positions wait for the embedding.
+    """
+    engine = Engine(adapter, model, config)
+    encoder = None if colocated else EncoderThread(adapter, model)
+    timelines = {r.request_id: Timeline(r.arrival_s) for r in requests}
+    pending = deque(requests)
+    finished = 0
+    start = time.perf_counter()
+    while finished < len(requests):
+        now = time.perf_counter() - start
+        arrived = []
+        while pending and pending[0].arrival_s <= now:
+            arrived.append(pending.popleft())
+        if arrived:
+            submit(adapter, model, engine, arrived, encoder)
+        while encoder is not None and not encoder.outbox.empty():
+            engine.provide_embedding(*encoder.outbox.get())
+        if not engine.has_work():
+            time.sleep(0.0005)
+            continue
+        outputs = engine.step()
+        stamp = time.perf_counter() - start
+        for out in outputs:
+            timelines[out.request_id].token_times.extend([stamp] * len(out.new_token_ids))
+            finished += out.finished
+    if encoder is not None:
+        encoder.close()
+    return [timelines[r.request_id] for r in requests]
+
+
+def submit(
+    adapter: Any, model: Any, engine: Engine, arrived: list[BenchRequest], encoder: EncoderThread | None
+) -> None:
+    with_image = [r for r in arrived if r.pixels is not None]
+    if with_image and encoder is not None:
+        encoder.inbox.put(with_image)
+    elif with_image:
+        for request, embedding in zip(with_image, adapter.encode(model, [r.pixels for r in with_image]), strict=True):
+            engine.provide_embedding(request.request_id, embedding)
+    for r in arrived:
+        media = []
+        if r.pixels is not None:
+            media = [MediaInput(r.request_id, r.image_offset, r.image_tokens, r.pixels.grid_thw)]
+        sampling = SamplingOptions(max_tokens=r.max_tokens, ignore_eos=True)
+        engine.add_request(EngineRequest(r.request_id, r.token_ids, media, sampling))
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        kv_cache_bytes=args.kv_cache_bytes,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        dtype=args.dtype,
+        device=args.device,
+    )
+
+
+def line(name: str, s: Summary) -> str:
+    return (
+        f"{name:<9} {s.tokens_per_s:8.1f} tok/s  TTFT p50 {s.ttft_p50_ms:7.1f} ms  p99 {s.ttft_p99_ms:7.1f} ms  "
+        f"ITL p50 {s.itl_p50_ms:6.2f} ms  p99 {s.itl_p99_ms:6.2f} ms  ({s.output_tokens} tokens in {s.wall_s:.1f} s)"
+    )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = args.model
+        if model_dir is None:
+            from services.models.tiny_model import make_tiny_model
+
+            model_dir = make_tiny_model(Path(scratch) / "tiny", "qwen2-vl")
+        adapter = load_adapter(model_dir)
+        dtype = EngineConfig(dtype=args.dtype).torch_dtype
+        engine_model = adapter.load_model(args.device, dtype)
+        baseline_model = adapter.load_model(args.device, dtype)  # keeps transformers' own attention
+        interval = args.mean_interval_ms / 1000
+        output_range = (args.min_output, args.max_output)
+        requests = make_workload(adapter, args.requests, args.image_fraction, output_range, interval, args.seed)
+        warmup = make_workload(adapter, 4, 0.5, (4, 8), 0.0, args.seed + 1)
+        run_engine(adapter, engine_model, warmup, engine_config(args), args.colocated)
+        run_static_batches(adapter, baseline_model, warmup, args.baseline_batch)
+        ours = summarize(run_engine(adapter, engine_model, requests, engine_config(args), args.colocated))
+        base = summarize(run_static_batches(adapter, baseline_model, requests, args.baseline_batch))
+    images = sum(r.pixels is not None for r in requests)
+    print(
+        f"workload: {len(requests)} requests ({images} with a 448x448 image), outputs {output_range[0]}-"
+        f"{output_range[1]} tokens, mean arrival gap {args.mean_interval_ms:.0f} ms, torch threads "
+        f"{torch.get_num_threads()}; engine budget {args.max_num_batched_tokens} tokens, "
+        f"{args.max_num_seqs} seqs; baseline static batches of {args.baseline_batch}"
+    )
+    print(line("engine", ours))
+    print(line("baseline", base))
+    result = {
+        **asdict(ours),
+        **{f"baseline_{k}": v for k, v in asdict(base).items()},
+        "ratio": ours.tokens_per_s / base.tokens_per_s,
+        "requests": len(requests),
+    }
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
+    return result
+
+
+if __name__ == "__main__":
+    main()
