@@ -39,7 +39,8 @@ class Client:
 
     def stream(self, request: generation_pb2.GenerateRequest, timeout_s: float = 120.0,
                ) -> Iterator[generation_pb2.GenerateResponse]:
-        yield from self._stub.Generate(request, timeout=timeout_s)
+        """The response stream; it is also the call, so `.cancel()` aborts the request."""
+        return self._stub.Generate(request, timeout=timeout_s)
 
     def generate(self, request: generation_pb2.GenerateRequest, timeout_s: float = 120.0) -> Answer:
         answer = Answer()

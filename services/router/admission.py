@@ -86,6 +86,10 @@ class Admission:
                                   "cluster_full")
         return need
 
+    def released(self, worker: str, blocks: int) -> None:
+        """The request placed on `worker` ended (its stream is closed, so the worker freed it)."""
+        self._view.note_released(worker, blocks)
+
     async def admit(self, projected_tokens: int, hashes: Sequence[bytes],
                     try_worker: Callable[[str], Awaitable[T | None]], deadline: float) -> Admitted[T]:
         """Reserve on the best worker that accepts; `try_worker` returns None on a refusal."""

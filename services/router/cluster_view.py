@@ -3,8 +3,9 @@
 Refreshed in the background every `interval_s`. When Redis cannot answer, the last view is
 kept (a worker that died meanwhile is found out by its refused connection), so a Redis outage
 does not stop placement. Admissions this router made since a worker's last heartbeat are added
-to that worker's reserved blocks, so one burst cannot over-admit from a stale view (the worker
-still decides atomically; this only keeps the router's ranking honest).
+to that worker's reserved blocks (and its requests that ended since are subtracted), so neither a
+burst nor a heartbeat's lag skews the view (the worker still decides atomically; this only keeps
+the router's ranking and its immediate refusals honest).
 """
 
 from __future__ import annotations
@@ -82,13 +83,18 @@ class ClusterView:
             self._workers = workers
         if encoders is not None:
             self._encoders = encoders
-        published = {m.address: m.published_at for m in self._workers}
-        self._pending = [p for p in self._pending if p.at > published.get(p.worker, math.inf)]
+        # an admission stays pending until the worker publishes a state read after it
+        seen = {m.address: float(m.state.get("snapshot_at", m.published_at)) for m in self._workers}
+        self._pending = [p for p in self._pending if p.at > seen.get(p.worker, math.inf)]
         self.changed.set()
         self.changed = asyncio.Event()
 
     def note_admitted(self, worker: str, blocks: int) -> None:
         self._pending.append(_Pending(worker, blocks, time.time()))
+
+    def note_released(self, worker: str, blocks: int) -> None:
+        """A request this router placed has ended; its blocks count as free until the next snapshot."""
+        self._pending.append(_Pending(worker, -blocks, time.time()))
 
     def workers(self) -> list[WorkerView]:
         out = []
@@ -98,7 +104,7 @@ class ClusterView:
             out.append(WorkerView(
                 address=member.address, total_blocks=int(state["total_blocks"]),
                 capacity_blocks=int(state.get("capacity_blocks", state["total_blocks"])),
-                reserved_blocks=int(state["reserved_blocks"]) + pending, running=int(state["running"]),
+                reserved_blocks=max(0, int(state["reserved_blocks"]) + pending), running=int(state["running"]),
                 waiting=int(state["waiting"]), block_size=int(state["block_size"])))
         return out
 

@@ -126,6 +126,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         finally:
             call.cancel()
             encode.cancel()
+            self._admission.released(admitted.worker, admitted.blocks)
 
     async def _stream(self, call, request_id: str, accounted: Accounted, sampling: common_pb2.SamplingParams, admitted,
                       encode: asyncio.Task, start: float):

@@ -12,6 +12,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -38,6 +39,7 @@ class EngineLoop:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.kv_state = engine.kv_state()
+        self.kv_state_at = time.time()  # when kv_state was read; routers compare admissions against it
 
     def start(self) -> None:
         self._thread.start()
@@ -92,6 +94,11 @@ class EngineLoop:
             return True
         return self.submit(admit)
 
+    def _snapshot(self) -> None:
+        at = time.time()
+        self.kv_state = self._engine.kv_state()
+        self.kv_state_at = at
+
     def _drain(self, block: bool) -> None:
         try:
             command = self._commands.get(timeout=self._idle_wait_s) if block else self._commands.get_nowait()
@@ -108,6 +115,7 @@ class EngineLoop:
         while not self._stopped.is_set():
             try:
                 self._drain(block=not self._engine.has_work())
+                self._snapshot()  # admissions just made are visible before the (slow) step
                 if self._engine.has_work():
                     for output in self._engine.step():
                         sink = self._sinks.get(output.request_id)
@@ -115,7 +123,7 @@ class EngineLoop:
                             self._sinks.pop(output.request_id, None)
                         if sink is not None:
                             sink(output)
-                self.kv_state = self._engine.kv_state()
+                self._snapshot()
             except Exception:  # a bug in one step must not kill the worker silently
                 log.exception("engine step failed; failing the running requests")
                 for request_id, sink in list(self._sinks.items()):
