@@ -21,6 +21,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     config = config_lib.load(CONFIGS[args.role], args)
     setup_logging(config.log_level)
+    if config.torch_threads > 0:
+        import torch
+
+        torch.set_num_threads(config.torch_threads)
     asyncio.run(run_until_signalled(lambda: start_role(args.role, config)))
     return 0
 
@@ -194,7 +198,7 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("--max-pixels", type=int, default=None)
     tiny.set_defaults(fn=_make_tiny)
     bench = sub.add_parser("bench", help="benchmarks (print ratios against a same-run baseline)")
-    bench.add_argument("what", choices=["engine", "encoder"])
+    bench.add_argument("what", choices=["engine", "encoder", "admission"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(fn=_bench)
     return parser

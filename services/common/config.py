@@ -125,6 +125,7 @@ class ServiceConfig:
     log_level: str = dataclasses.field(default="INFO", metadata={"help": "logging level"})
     device: str = dataclasses.field(default="cpu", metadata={"help": "cpu or cuda"})
     dtype: str = dataclasses.field(default="float32", metadata={"help": "float32, bfloat16, float16"})
+    torch_threads: int = dataclasses.field(default=0, metadata={"help": "intra-op CPU threads, 0 = torch's default"})
     embedding_cache_bytes: int = dataclasses.field(default=512 << 20, metadata={"help": "in-process LRU"})
     embedding_cache_ttl_s: int = dataclasses.field(default=3600, metadata={"help": "Redis TTL"})
 

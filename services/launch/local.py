@@ -134,7 +134,10 @@ def start_cluster(spec: ClusterSpec, timeout_s: float = 180.0) -> LocalCluster:
     def port(default: int) -> int:
         return free_port() if spec.free_ports else default
 
-    base = {"EPD_MODEL": str(spec.model_dir), "EPD_REDIS_URL": spec.redis_url, **spec.env}
+    # services share this box's cores: split them instead of letting every process use all of them
+    threads = max(1, (os.cpu_count() or 1) // (spec.encoders + spec.workers))
+    base = {"EPD_MODEL": str(spec.model_dir), "EPD_REDIS_URL": spec.redis_url, "EPD_TORCH_THREADS": str(threads),
+            **spec.env}
     metrics = iter(range(METRICS_PORT, METRICS_PORT + 1 + spec.encoders + spec.workers))
     encoders = [spawn("encoder", port(ENCODER_PORT + i), free_port() if spec.free_ports else next(metrics),
                        base, log_dir) for i in range(spec.encoders)]
