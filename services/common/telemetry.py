@@ -1,38 +1,73 @@
 """Metrics for one service: an OpenTelemetry MeterProvider exported on a Prometheus endpoint.
 
 Each service builds one `Telemetry` at start and passes it (or its meter) explicitly; metric
-names follow vLLM's with an `epd_` prefix. Counters appear on the endpoint with `_total`.
+names follow vLLM's with an `epd_` prefix. Counters appear on the endpoint with `_total`, and an
+instrument's unit is appended when the name lacks it (unit "tokens" on `epd_x` gives `epd_x_tokens`).
+
+Histograms get explicit buckets by name (`HISTOGRAM_VIEWS`): `*_seconds` from 1 ms to 2 min,
+roughly log-spaced; `*batch_size` (items) and `*_tokens` / `*_bytes` in powers of two or four.
+Each Telemetry has its own Prometheus registry (its instruments plus the process and Python
+collectors), so two services in one process never mix their endpoints.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.metrics import Meter
-from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics import Histogram, MeterProvider
+from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 from opentelemetry.sdk.resources import Resource
-from prometheus_client import start_http_server
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, start_http_server
 
 log = logging.getLogger(__name__)
 
+SECONDS_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.35, 0.5, 0.75,
+    1.0, 1.5, 2.5, 4.0, 6.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0)
+BATCH_SIZE_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TOKEN_BUCKETS: tuple[float, ...] = tuple(float(2**k) for k in range(4, 19))  # 16 .. 262144
+BYTE_BUCKETS: tuple[float, ...] = tuple(float(4**k) for k in range(5, 16))  # 1 KiB .. 1 GiB
+
+# Instrument-name pattern -> bucket boundaries; the patterns never overlap (one stream each).
+HISTOGRAM_VIEWS: dict[str, Sequence[float]] = {
+    "*_seconds": SECONDS_BUCKETS,
+    "*batch_size": BATCH_SIZE_BUCKETS,
+    "*_tokens": TOKEN_BUCKETS,
+    "*_bytes": BYTE_BUCKETS,
+}
+
+
+def histogram_views() -> list[View]:
+    """One View per `HISTOGRAM_VIEWS` pattern, for histograms only."""
+    return [View(instrument_type=Histogram, instrument_name=pattern,
+                 aggregation=ExplicitBucketHistogramAggregation(boundaries=list(bounds)))
+            for pattern, bounds in HISTOGRAM_VIEWS.items()]
+
 
 class Telemetry:
-    """Owns the service's MeterProvider and, when `metrics_port` > 0, its HTTP endpoint."""
+    """Owns the service's MeterProvider, its registry and, when `metrics_port` > 0, its HTTP endpoint."""
 
     def __init__(self, service: str, metrics_host: str = "127.0.0.1", metrics_port: int = 0) -> None:
         self.service = service
-        reader = PrometheusMetricReader()
+        self.registry = CollectorRegistry(auto_describe=True)
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):
+            collector(registry=self.registry)
+        reader = PrometheusMetricReader(registry=self.registry)
         self._provider = MeterProvider(
-            metric_readers=[reader], resource=Resource.create({"service.name": f"epd-{service}"})
+            metric_readers=[reader], views=histogram_views(),
+            resource=Resource.create({"service.name": f"epd-{service}"}),
         )
         self.meter: Meter = self._provider.get_meter(f"epd.{service}")
         self._http = None
         if metrics_port > 0:
-            self._http, _ = start_http_server(metrics_port, addr=metrics_host)
+            self._http, _ = start_http_server(metrics_port, addr=metrics_host, registry=self.registry)
             log.info("metrics for %s on http://%s:%d/metrics", service, metrics_host, metrics_port)
 
     def shutdown(self) -> None:
         if self._http is not None:
             self._http.shutdown()
+            self._http.server_close()
         self._provider.shutdown()

@@ -5,20 +5,29 @@ EPD_DEVICE=cuda, encoder and worker actors request GPUs, so Ray places them on G
 sets CUDA_VISIBLE_DEVICES for their process. On an existing cluster (`address`), services bind
 0.0.0.0 and advertise their node's IP; every node needs epd installed and the model folder at
 the same path. Without an address a local Ray instance is started and shut down by `stop()`.
+
+Every service gets the same EPD_REDIS_URL: the router finds workers and encoders in the Redis
+registry they heartbeat into. When nothing answers at a loopback `redis_url` and `redis-server`
+is installed, a Redis is started on that port (`services.launch.local.ensure_redis`) and
+`stop()` stops it too.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from services.launch.service_process import HealthReport, ServiceProcess
 
 ROLES = ("router", "encoder", "worker")
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 class RayLaunchError(RuntimeError):
@@ -39,14 +48,17 @@ class ServiceSpec:
 
 @dataclass
 class RayCluster:
-    """Handle on a launched cluster. `stop()` ends every service process (idempotent)."""
+    """Handle on a launched cluster. `stop()` ends every service process, then the Ray instance
+    and the Redis server when this launch started them (idempotent)."""
 
     router_addr: str
     encoder_addrs: list[str]
     worker_addrs: list[str]
     log_dir: str
+    redis_url: str
     _actors: dict[str, Any] = field(repr=False)
     _owns_ray: bool = field(repr=False)
+    _redis: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _stopped: bool = field(default=False, repr=False)
 
     def addresses(self) -> dict[str, list[str]]:
@@ -70,10 +82,13 @@ class RayCluster:
         try:
             ray.get([actor.stop.remote(timeout_s) for actor in self._actors.values()])
         finally:
-            for actor in self._actors.values():
-                ray.kill(actor)
-            if self._owns_ray:
-                ray.shutdown()
+            try:
+                for actor in self._actors.values():
+                    ray.kill(actor)
+                if self._owns_ray:
+                    ray.shutdown()
+            finally:
+                _stop_redis(self._redis, timeout_s)
 
     def __enter__(self) -> RayCluster:
         return self
@@ -113,14 +128,15 @@ def launch_on_ray(model_dir: str | os.PathLike[str], *, encoders: int = 1, worke
                   env: Mapping[str, str] | None = None, cpus_per_service: float = 1.0,
                   gpus_per_encoder: float = 1.0, gpus_per_worker: float = 1.0,
                   command: Sequence[str] | None = None, ready_timeout_s: float = 300.0,
-                  log_dir: str | None = None) -> RayCluster:
+                  log_dir: str | None = None, start_redis: bool = True) -> RayCluster:
     """Start router, encoders and workers as Ray actors and wait until all serve gRPC health.
 
     `env` adds EPD_* (or other) variables for every service; EPD_DEVICE there (or in this
     process's environment) decides whether encoders and workers request GPUs. `redis_url`
-    defaults to EPD_REDIS_URL from `env`, then from this process's environment. `command`
-    replaces `epd` (for tests). On failure everything started is stopped and RayLaunchError
-    says which service failed and why.
+    defaults to EPD_REDIS_URL from `env`, then from this process's environment; with
+    `start_redis`, a loopback URL where nothing answers gets a redis-server of its own (when
+    installed), stopped by `stop()`. `command` replaces `epd` (for tests). On failure everything
+    started is stopped and RayLaunchError says which service failed and why.
     """
     import ray
 
@@ -137,15 +153,15 @@ def launch_on_ray(model_dir: str | os.PathLike[str], *, encoders: int = 1, worke
     actor_cls = ray.remote(ServiceProcess)
     actors = {s.name: actor_cls.options(num_cpus=s.num_cpus, num_gpus=s.num_gpus).remote(s.name, logs)
               for s in specs}
-    cluster = RayCluster("", [], [], logs, actors, owns_ray)
+    cluster = RayCluster("", [], [], logs, redis_url, actors, owns_ray)
     try:
+        cluster._redis = _local_redis(redis_url) if start_redis else None
         placements = _place(ray, specs, actors, bind)
         cluster.encoder_addrs = [placements[s.name].advertise for s in specs if s.role == "encoder"]
         cluster.worker_addrs = [placements[s.name].advertise for s in specs if s.role == "worker"]
         cluster.router_addr = placements["router-0"].advertise
         shared = {**extra, "EPD_MODEL": str(model_dir), "EPD_REDIS_URL": redis_url, "EPD_HOST": bind,
-                  "EPD_DEVICE": device, "EPD_ENCODER_ADDRS": ",".join(cluster.encoder_addrs),
-                  "EPD_WORKER_ADDRS": ",".join(cluster.worker_addrs)}
+                  "EPD_DEVICE": device, "EPD_ENCODER_ADDRS": ",".join(cluster.encoder_addrs)}
         ray.get([actors[s.name].start.remote(list(command) if command else None, s.role,
                                              {**shared, **placements[s.name].env()}) for s in specs])
         _wait_healthy(ray, specs, actors, placements, ready_timeout_s)
@@ -167,6 +183,27 @@ class Placement:
     def env(self) -> dict[str, str]:
         return {"EPD_PORT": str(self.port), "EPD_METRICS_PORT": str(self.metrics_port),
                 "EPD_ADVERTISE_ADDR": self.advertise}
+
+
+def _local_redis(url: str) -> subprocess.Popen[bytes] | None:
+    """A redis-server started for a loopback `url` nobody answers at; None when not needed or possible."""
+    from services.launch.local import ensure_redis
+
+    if urlsplit(url).hostname not in LOOPBACK_HOSTS or shutil.which("redis-server") is None:
+        return None
+    return ensure_redis(url)
+
+
+def _stop_redis(popen: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
+    """Terminate a redis-server `_local_redis` started (SIGKILL after `timeout_s`)."""
+    if popen is None or popen.poll() is not None:
+        return
+    popen.terminate()
+    try:
+        popen.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        popen.kill()
+        popen.wait()
 
 
 def _connect(ray: Any, address: str | None, cpus_needed: float) -> bool:

@@ -44,8 +44,8 @@ def test_gpu_scenario_requests_gpus_for_4_encoders_and_8_workers() -> None:
     router = main_container(docs, "Deployment", "router")
     assert GPU not in router["resources"].get("limits", {})
     assert router["image"] == "registry.example.com/ml/epd:0.1.0-cpu"
-    workers = env_of(router)["EPD_WORKER_ADDRS"].split(",")
-    assert workers == [f"demo-epd-worker-{i}.demo-epd-worker.ml.svc.cluster.local:50071" for i in range(8)]
+    assert "EPD_WORKER_ADDRS" not in env_of(router)  # workers are found in the Redis registry
+    assert env_of(router)["EPD_ENCODER_ADDRS"] == "demo-epd-encoder.ml.svc.cluster.local:50061"
     assert len(find(docs, "ServiceMonitor")) == 1
     volumes = {v["name"]: v for v in worker_set["spec"]["template"]["spec"]["volumes"]}
     assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "qwen2-vl-7b-instruct", "readOnly": True}
@@ -103,9 +103,24 @@ def test_router_egress_is_limited() -> None:
 
 
 @pytest.mark.parametrize("values_file", sorted(CI.glob("*-values.yaml")), ids=lambda p: p.name)
+def test_every_epd_pod_shares_one_redis_and_no_worker_list(values_file: Path) -> None:
+    urls = set()
+    components = set()
+    for component, spec in pod_specs(render(load_values(values_file))):
+        if component == "redis":
+            continue
+        components.add(component)
+        env = env_of(spec["containers"][0])
+        urls.add(env["EPD_REDIS_URL"])
+        assert "EPD_WORKER_ADDRS" not in env, component
+    assert components == {"router", "encoder", "worker"}
+    assert len(urls) == 1, urls
+
+
+@pytest.mark.parametrize("values_file", sorted(CI.glob("*-values.yaml")), ids=lambda p: p.name)
 def test_epd_env_names_are_the_agreed_ones(values_file: Path) -> None:
     agreed = interface_env_names()
-    assert "EPD_WORKER_ADDRS" in agreed
+    assert "EPD_WORKER_ADDRS" not in agreed
     for component, spec in pod_specs(render(load_values(values_file))):
         if component == "redis":
             continue
@@ -132,6 +147,8 @@ def test_bad_values_are_rejected_by_the_schema() -> None:
     ({"model": {"tiny": {"enabled": False}}}, "set model.pvc.claimName"),
     ({"model": {"pvc": {"claimName": "m"}}}, "not both"),
     ({"redis": {"enabled": False}}, "redis.external.url"),
+    ({"worker": {"env": {"EPD_REDIS_URL": "redis://other:6379/0"}}}, "same for every epd pod"),
+    ({"env": {"EPD_REDIS_URL": "redis://other:6379/0"}}, "set redis.external.url instead"),
     ({"router": {"autoscaling": {"minReplicas": 9}}}, "minReplicas must not exceed maxReplicas"),
 ])
 def test_inconsistent_values_fail_with_a_message(values: dict, message: str) -> None:

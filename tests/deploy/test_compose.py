@@ -80,16 +80,25 @@ def test_epd_services(compose: dict[str, Any], name: str, port: int) -> None:
     assert service["volumes"] == ["epd-models:/models:ro"]
 
 
-def test_router_reaches_encoders_and_workers_by_service_name(compose: dict[str, Any]) -> None:
+def test_router_finds_workers_in_the_registry_and_reaches_services_by_name(compose: dict[str, Any]) -> None:
     all_services = services(compose)
     env = all_services["router"]["environment"]
-    assert env["EPD_ENCODER_ADDRS"] == "encoder:50061"
-    assert env["EPD_WORKER_ADDRS"] == "worker:50071"
+    assert env["EPD_ENCODER_ADDRS"] == "encoder:50061"  # fallback while no encoder is registered
+    for name, service in all_services.items():
+        assert "EPD_WORKER_ADDRS" not in service.get("environment", {}), name
     for host in ("encoder", "worker"):
         assert host in all_services
         assert host in all_services[f"{host}-gpu"]["networks"]["default"]["aliases"]
     published = {p.split(":", 1)[1] for p in all_services["router"]["ports"]}
     assert published == {"50051:50051", "8000:8000", "9400:9400"}
+
+
+def test_every_epd_service_shares_one_redis(compose: dict[str, Any]) -> None:
+    urls = {name: service["environment"]["EPD_REDIS_URL"] for name, service in services(compose).items()
+            if name in EPD_SERVICES}
+    assert set(urls) == set(EPD_SERVICES)
+    assert set(urls.values()) == {"redis://redis:6379/0"}
+    assert "redis" in services(compose)
 
 
 def test_gpu_profile_reserves_nvidia_devices(compose: dict[str, Any]) -> None:

@@ -87,3 +87,13 @@ def test_env_examples_use_agreed_names(example: Path) -> None:
     if example.name.startswith("compose"):
         compose_text = (REPO / "docker-compose.yml").read_text()
         assert all("${" + name + ":-" in compose_text for name in names), names
+
+
+def test_env_examples_share_one_redis_and_list_no_workers() -> None:
+    urls = {}
+    for role in ("router", "encoder", "worker"):
+        text = (REPO / "deploy" / "env" / f"{role}.env.example").read_text()
+        urls[role] = re.findall(r"^EPD_REDIS_URL=(.*)$", text, flags=re.MULTILINE)
+        assert "EPD_WORKER_ADDRS" not in text, role
+    assert all(len(found) == 1 for found in urls.values()), urls
+    assert len({found[0] for found in urls.values()}) == 1, urls

@@ -18,7 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
 from services.client import Client, user_request
-from services.launch.ray_launcher import RayCluster, launch_on_ray, plan_services
+from services.launch.local import redis_answers
+from services.launch.ray_launcher import RayCluster, _local_redis, launch_on_ray, plan_services
 from services.launch.service_process import descendants, free_port, is_alive
 
 FAKE_EPD = Path(__file__).resolve().parent / "fake_epd.py"
@@ -91,12 +92,15 @@ def test_plan_requests_gpus_only_for_cuda() -> None:
 
 
 def test_launch_wires_services_and_stops_every_process(tmp_path: Path) -> None:
+    """Services find each other through one Redis (started here: nothing answers at the URL)."""
     before = set(descendants(os.getpid()))
+    redis_url = f"redis://127.0.0.1:{free_port()}/0"
     cluster = launch_on_ray(str(tmp_path), encoders=2, workers=2, router_port=0, encoder_port=0,
-                            worker_port=0, metrics_port=0, redis_url="redis://127.0.0.1:1/0",
-                            env={"EPD_LOG_LEVEL": "DEBUG"}, command=[sys.executable, str(FAKE_EPD)],
-                            ready_timeout_s=60)
+                            worker_port=0, metrics_port=0, redis_url=redis_url,
+                            env={"EPD_LOG_LEVEL": "DEBUG", "EPD_REDIS_URL": "redis://elsewhere:6379/0"},
+                            command=[sys.executable, str(FAKE_EPD)], ready_timeout_s=60)
     try:
+        assert cluster.redis_url == redis_url and redis_answers(redis_url)
         addresses = cluster.addresses()
         assert [len(addresses[r]) for r in ("router", "encoder", "worker")] == [1, 2, 2]
         for address in sum(addresses.values(), []):
@@ -105,22 +109,34 @@ def test_launch_wires_services_and_stops_every_process(tmp_path: Path) -> None:
         for log in Path(cluster.log_dir).glob("*.log"):
             report = json.loads(log.read_text().splitlines()[0])
             reports[log.stem] = report
+        assert len(reports) == 5
+        for name, report in reports.items():
+            assert report["env"]["EPD_REDIS_URL"] == redis_url, name
+            assert "EPD_WORKER_ADDRS" not in report["env"], name
         router = reports["router-0"]["env"]
         assert router["EPD_ENCODER_ADDRS"].split(",") == addresses["encoder"]
-        assert router["EPD_WORKER_ADDRS"].split(",") == addresses["worker"]
         assert router["EPD_ADVERTISE_ADDR"] == cluster.router_addr
         assert router["EPD_LOG_LEVEL"] == "DEBUG" and router["EPD_MODEL"] == str(tmp_path)
+        workers = sorted(reports[f"worker-{i}"]["env"]["EPD_ADVERTISE_ADDR"] for i in range(2))
+        assert workers == sorted(addresses["worker"])
         helpers = [r["helper_pid"] for r in reports.values()]
         assert all(is_alive(p) for p in helpers)
     finally:
         stop_and_check_clean(cluster, before)
     assert not any(is_alive(p) for p in helpers)
+    assert not redis_answers(redis_url)
+
+
+def test_redis_is_started_only_for_a_silent_loopback_url(redis_url: str) -> None:
+    assert _local_redis(redis_url) is None  # something answers there
+    assert _local_redis("redis://redis.internal:6379/0") is None  # not ours to start
 
 
 def test_failed_start_reports_the_log_and_cleans_up(tmp_path: Path) -> None:
     before = set(descendants(os.getpid()))
     with pytest.raises(RuntimeError, match="exited with") as caught:
         launch_on_ray(str(tmp_path), router_port=0, encoder_port=0, worker_port=0, metrics_port=0,
+                      redis_url=f"redis://127.0.0.1:{free_port()}/0",
                       command=[sys.executable, "-c", "import sys; print('no such role'); sys.exit(3)"],
                       ready_timeout_s=30)
     assert "no such role" in str(caught.value)

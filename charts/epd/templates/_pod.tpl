@@ -17,6 +17,11 @@
   "HOME" "/tmp"
   "HF_HUB_OFFLINE" "1"
 }}
+{{- range $src := list (default (dict) $root.Values.env) (default (dict) .comp.env) }}
+{{- if hasKey $src "EPD_REDIS_URL" }}
+{{- fail "env: EPD_REDIS_URL must be the same for every epd pod (the router finds workers and encoders in the Redis registry); set redis.external.url instead" }}
+{{- end }}
+{{- end }}
 {{- $vars = mergeOverwrite $vars (default (dict) .extra) (default (dict) $root.Values.env) (default (dict) .comp.env) -}}
 - name: POD_NAME
   valueFrom:
