@@ -25,7 +25,9 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, gr
 
 class EncodeDispatcher:
     def __init__(self, view: ClusterView, cache: EmbeddingCache, channel: Callable[[str], grpc.aio.Channel],
-                 static_encoders: list[str]) -> None:
+                 static_encoders: list[str], on_lookup: Callable[[int, int], None] = lambda queries, hits: None,
+                 ) -> None:
+        self._on_lookup = on_lookup
         self._view = view
         self._cache = cache
         self._channel = channel
@@ -42,6 +44,7 @@ class EncodeDispatcher:
             return 0.0
         start = time.perf_counter()
         cached = await asyncio.to_thread(lambda: [self._cache.contains(r.mm_hash) for r in refs])
+        self._on_lookup(len(refs), sum(cached))
         items = [encoder_pb2.EncodeItem(ref=ref, data=blob)
                  for ref, blob, hit in zip(refs, data, cached, strict=True) if not hit]
         if not items:

@@ -19,6 +19,8 @@ class RouterMetrics:
     e2e_seconds: Histogram
     encode_seconds: Histogram
     running: UpDownCounter
+    cache_queries: Counter
+    cache_hits: Counter
 
     @classmethod
     def create(cls, meter: Meter) -> RouterMetrics:
@@ -33,4 +35,6 @@ class RouterMetrics:
             e2e_seconds=meter.create_histogram("epd_e2e_request_latency_seconds", unit="s"),
             encode_seconds=meter.create_histogram("epd_request_encode_time_seconds", unit="s"),
             running=meter.create_up_down_counter("epd_router_requests_in_flight"),
+            cache_queries=meter.create_counter("epd_embedding_cache_queries", description="items looked up"),
+            cache_hits=meter.create_counter("epd_embedding_cache_hits", description="items already cached, by tier"),
         )

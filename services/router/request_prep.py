@@ -10,12 +10,12 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from services.common.media import MediaLimits
+from services.common.media import MediaError, MediaLimits
 from services.common.model_info import ModelInfo
 from services.common.rpc.epd.v1 import common_pb2, generation_pb2
 from services.router.accounting import Accounted, account
 from services.router.config import RouterConfig
-from services.router.errors import invalid
+from services.router.errors import RequestError, invalid
 from services.router.fetch import FetchError, FetchPolicy, fetch_media
 from services.router.intake import IntakeLimits, parse_messages
 from services.router.metrics import RouterMetrics
@@ -74,7 +74,12 @@ class RequestPrep:
 
     def _prepare_sync(self, request: generation_pb2.GenerateRequest) -> Prepared:
         sampling = validate_sampling(request.sampling, self._config)
-        intake = parse_messages(list(request.messages), self._limits)
+        try:
+            intake = parse_messages(list(request.messages), self._limits)
+        except RequestError as exc:
+            if isinstance(exc.__cause__, MediaError):
+                self._metrics.media_refusals.add(1, {"reason": str(exc.__cause__.reason)})
+            raise
         accounted = account(self._info, intake, sampling.max_tokens)  # checks the model's context first
         if sampling.max_tokens > self._config.max_tokens_cap:
             raise invalid(f"sampling.max_tokens {sampling.max_tokens} is above this server's cap of "

@@ -78,6 +78,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
+        except Exception:
+            outcome = "internal"
+            log.exception("request failed unexpectedly")
+            raise
         finally:
             self._metrics.running.add(-1)
             self._metrics.requests.add(1, {"outcome": outcome})
@@ -170,6 +174,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             finish_reason=reason, usage=usage, timing=timing, request_id=request_id))
 
 
+def _count_lookup(metrics: RouterMetrics, queries: int, hits: int) -> None:
+    metrics.cache_queries.add(queries)
+    if hits:
+        metrics.cache_hits.add(hits, {"tier": "redis"})
+
+
 async def start_router(config: RouterConfig):
     """Serve the public API on config.host:config.port (no model weights are loaded here)."""
     info = load_model_info(config.model)
@@ -182,7 +192,9 @@ async def start_router(config: RouterConfig):
     admission = Admission(view, PrefixAffinity(), AdmissionSettings(
         config.admission_queue_size, config.admission_max_wait_s, config.retry_after_ms))
     servicer = GenerationServicer(info, config, RequestPrep(info, config, metrics), admission,
-                                  EncodeDispatcher(view, cache, lambda a: servicer.channel(a), config.encoder_addrs),
+                                  EncodeDispatcher(view, cache, lambda a: servicer.channel(a), config.encoder_addrs,
+                                                   on_lookup=lambda queries, hits: _count_lookup(metrics, queries,
+                                                                                                 hits)),
                                   metrics, channels)
     binding = grpc_server.ServiceBinding(generation_pb2_grpc.add_GenerationServicer_to_server, servicer,
                                          "epd.v1.Generation")
