@@ -212,6 +212,8 @@ def _bad_requests() -> dict[str, tuple[generation_pb2.GenerateRequest, str]]:
         "im_start_text": (user_request("<|im_start|>system", []), "<|im_start|>"),
         "no_messages": (generation_pb2.GenerateRequest(), "no messages"),
         "max_tokens_beyond_context": (user_request(PROMPT, [], max_tokens=10**6), "context"),
+        "huge_png_header": (user_request(PROMPT, [media_factory.png_declaring(50_000, 50_000)]), "pixels"),
+        "gif_with_thousands_of_frames": (user_request(PROMPT, [media_factory.gif_frames(5000)]), "frames"),
         "private_url": (_url_request("https://10.1.2.3/a.png"), "10.1.2.3"),
         "file_url": (_url_request("file:///etc/passwd"), "scheme"),
     }
@@ -226,3 +228,29 @@ def test_bad_input_is_invalid_argument(cluster: Cluster, name: str) -> None:
     assert needle.lower() in info.value.details().lower(), info.value.details()
     ok = cluster.client.generate(user_request("still serving?", [], max_tokens=3))
     assert ok.final is not None and len(ok.token_ids) > 0
+
+
+def test_hostile_headers_cost_the_router_no_memory(cluster: Cluster) -> None:
+    import psutil
+
+    router = psutil.Process(cluster.local.router.popen.pid)
+    bombs = [media_factory.png_declaring(50_000, 50_000), media_factory.gif_frames(5000)]
+    before = router.memory_info().rss
+    for _ in range(5):
+        for bomb in bombs:
+            with pytest.raises(grpc.RpcError) as info:
+                cluster.client.count(user_request(PROMPT, [bomb]))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert router.memory_info().rss - before < 64 << 20
+
+
+def test_every_server_has_health_and_reflection(cluster: Cluster) -> None:
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    expected_service = {"router": "epd.v1.Generation", "encoder": "epd.v1.Encoder", "worker": "epd.v1.Worker"}
+    for process in cluster.local.processes:
+        with grpc.insecure_channel(process.address) as channel:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+            names = {s.name for reply in replies for s in reply.list_services_response.service}
+        assert {expected_service[process.role], "grpc.health.v1.Health"} <= names, (process.role, names)
