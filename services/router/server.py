@@ -135,13 +135,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def _stream(self, call, request_id: str, accounted: Accounted, sampling: common_pb2.SamplingParams, admitted,
                       encode: asyncio.Task, start: float):
         detok = Detokenizer(self._info.adapter.tokenizer, list(sampling.stop))
-        completion, first_token_s, reason, cached, last = 0, 0.0, "length", 0, 0.0
+        completion, first_token_s, reason, cached, last, prefill_s = 0, 0.0, "length", 0, 0.0, 0.0
         try:
             while (response := await call.read()) is not grpc.aio.EOF:
                 now = time.perf_counter()
                 completion += len(response.token_ids)
                 if not first_token_s:
                     first_token_s = now - start
+                    prefill_s = response.prefill_s
                     self._metrics.ttft_seconds.record(first_token_s)
                 else:
                     self._metrics.itl_seconds.record(now - last)
@@ -168,7 +169,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             prompt_tokens=accounted.prompt_tokens, text_tokens=accounted.text_tokens,
             image_tokens=accounted.image_tokens, completion_tokens=completion, cached_tokens=cached)
         encode_s = encode.result() if encode.done() and not encode.cancelled() and not encode.exception() else 0.0
-        timing = generation_pb2.Timing(queue_s=admitted.queue_s, encode_s=encode_s, first_token_s=first_token_s,
+        timing = generation_pb2.Timing(queue_s=admitted.queue_s, encode_s=encode_s, prefill_s=prefill_s,
+                                       first_token_s=first_token_s,
                                        total_s=time.perf_counter() - start)
         yield generation_pb2.GenerateResponse(final=generation_pb2.Final(
             finish_reason=reason, usage=usage, timing=timing, request_id=request_id))
