@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import queue
+import statistics
 import tempfile
-import threading
 import time
 from collections import deque
 from dataclasses import asdict
@@ -42,45 +41,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-output", type=int, default=256)
     parser.add_argument("--mean-interval-ms", type=float, default=20.0, help="mean gap between arrivals")
     parser.add_argument("--baseline-batch", type=int, default=16, help="static batch size for generate")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=96, help="engine token budget per step (decodes + prefill)"
+    )
+    parser.add_argument("--max-num-seqs", type=int, default=32, help="engine sequence cap")
     parser.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per op (0: torch's default)")
     parser.add_argument(
-        "--colocated", action="store_true", help="encode images on the engine thread (default: an encoder thread)"
+        "--colocated",
+        action="store_true",
+        help="run the vision tower inside both runs (default: embeddings computed beforehand for both)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each, alternating; medians reported")
     args = parser.parse_args(argv)
     if args.quick:
-        args.requests, args.min_output, args.max_output = min(args.requests, 16), 16, 48
+        args.requests, args.min_output, args.max_output, args.repeats = min(args.requests, 16), 16, 48, 1
     return args
-
-
-class EncoderThread:
-    """Stands in for the encoder service: encodes images off the engine thread, hands embeddings back."""
-
-    def __init__(self, adapter: Any, model: Any) -> None:
-        self.adapter, self.model = adapter, model
-        self.inbox: queue.SimpleQueue[list[BenchRequest] | None] = queue.SimpleQueue()
-        self.outbox: queue.SimpleQueue[tuple[str, torch.Tensor]] = queue.SimpleQueue()
-        self.busy_s = 0.0
-        self.thread = threading.Thread(target=self._run, name="bench-encoder", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while (batch := self.inbox.get()) is not None:
-            started = time.perf_counter()
-            with torch.inference_mode():
-                embeddings = self.adapter.encode(self.model, [r.pixels for r in batch])
-            self.busy_s += time.perf_counter() - started
-            for request, embedding in zip(batch, embeddings, strict=True):
-                self.outbox.put((request.request_id, embedding))
-
-    def close(self) -> None:
-        self.inbox.put(None)
-        self.thread.join()
 
 
 def run_engine(
@@ -88,11 +67,10 @@ def run_engine(
 ) -> list[Timeline]:
     """Feed requests at their arrival times and step until all finish.
 
-    Images go to an encoder thread (or, ``colocated``, are encoded on the engine thread at arrival);
-    a request enters the engine at arrival, its image positions wait for the embedding.
+    A request's image embedding arrives with it (computed beforehand, as the encoder service pushes it),
+    or, ``colocated``, is computed on the engine thread at arrival.
     """
     engine = Engine(adapter, model, config)
-    encoder = None if colocated else EncoderThread(adapter, model)
     timelines = {r.request_id: Timeline(r.arrival_s) for r in requests}
     pending = deque(requests)
     finished = 0
@@ -103,31 +81,26 @@ def run_engine(
         while pending and pending[0].arrival_s <= now:
             arrived.append(pending.popleft())
         if arrived:
-            submit(adapter, model, engine, arrived, encoder)
-        while encoder is not None and not encoder.outbox.empty():
-            engine.provide_embedding(*encoder.outbox.get())
+            submit(adapter, model, engine, arrived, colocated)
         if not engine.has_work():
-            time.sleep(0.0005)
+            time.sleep(max(pending[0].arrival_s - (time.perf_counter() - start), 0.0) if pending else 0.0)
             continue
         outputs = engine.step()
         stamp = time.perf_counter() - start
         for out in outputs:
             timelines[out.request_id].token_times.extend([stamp] * len(out.new_token_ids))
             finished += out.finished
-    if encoder is not None:
-        encoder.close()
     return [timelines[r.request_id] for r in requests]
 
 
-def submit(
-    adapter: Any, model: Any, engine: Engine, arrived: list[BenchRequest], encoder: EncoderThread | None
-) -> None:
+def submit(adapter: Any, model: Any, engine: Engine, arrived: list[BenchRequest], colocated: bool) -> None:
     with_image = [r for r in arrived if r.pixels is not None]
-    if with_image and encoder is not None:
-        encoder.inbox.put(with_image)
-    elif with_image:
-        for request, embedding in zip(with_image, adapter.encode(model, [r.pixels for r in with_image]), strict=True):
-            engine.provide_embedding(request.request_id, embedding)
+    if colocated and with_image:
+        embeddings = adapter.encode(model, [r.pixels for r in with_image])
+    else:
+        embeddings = [r.embedding for r in with_image]
+    for request, embedding in zip(with_image, embeddings, strict=True):
+        engine.provide_embedding(request.request_id, embedding)
     for r in arrived:
         media = []
         if r.pixels is not None:
@@ -148,7 +121,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def line(name: str, s: Summary) -> str:
     return (
-        f"{name:<9} {s.tokens_per_s:8.1f} tok/s  TTFT p50 {s.ttft_p50_ms:7.1f} ms  p99 {s.ttft_p99_ms:7.1f} ms  "
+        f"{name:<12} {s.tokens_per_s:8.1f} tok/s  TTFT p50 {s.ttft_p50_ms:7.1f} ms  p99 {s.ttft_p99_ms:7.1f} ms  "
         f"ITL p50 {s.itl_p50_ms:6.2f} ms  p99 {s.itl_p99_ms:6.2f} ms  ({s.output_tokens} tokens in {s.wall_s:.1f} s)"
     )
 
@@ -171,27 +144,52 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         output_range = (args.min_output, args.max_output)
         requests = make_workload(adapter, args.requests, args.image_fraction, output_range, interval, args.seed)
         warmup = make_workload(adapter, 4, 0.5, (4, 8), 0.0, args.seed + 1)
+        encode_images(adapter, engine_model, requests + warmup)
         run_engine(adapter, engine_model, warmup, engine_config(args), args.colocated)
-        run_static_batches(adapter, baseline_model, warmup, args.baseline_batch)
-        ours = summarize(run_engine(adapter, engine_model, requests, engine_config(args), args.colocated))
-        base = summarize(run_static_batches(adapter, baseline_model, requests, args.baseline_batch))
+        run_static_batches(adapter, baseline_model, warmup, args.baseline_batch, args.colocated)
+        ours, base = [], []
+        for _ in range(args.repeats):  # alternate, so a noisy neighbour hits both alike
+            ours.append(summarize(run_engine(adapter, engine_model, requests, engine_config(args), args.colocated)))
+            base.append(
+                summarize(run_static_batches(adapter, baseline_model, requests, args.baseline_batch, args.colocated))
+            )
     images = sum(r.pixels is not None for r in requests)
+    encoder = "inside both runs" if args.colocated else "beforehand for both (as the encoder service does)"
     print(
         f"workload: {len(requests)} requests ({images} with a 448x448 image), outputs {output_range[0]}-"
         f"{output_range[1]} tokens, mean arrival gap {args.mean_interval_ms:.0f} ms, torch threads "
-        f"{torch.get_num_threads()}; engine budget {args.max_num_batched_tokens} tokens, "
-        f"{args.max_num_seqs} seqs; baseline static batches of {args.baseline_batch}"
+        f"{torch.get_num_threads()}, vision tower run {encoder}"
+        f"; engine budget {args.max_num_batched_tokens} tokens, {args.max_num_seqs} seqs; baseline static batches of "
+        f"{args.baseline_batch}; {args.repeats} runs each, medians last"
     )
-    print(line("engine", ours))
-    print(line("baseline", base))
+    for i, (a, b) in enumerate(zip(ours, base, strict=True)):
+        print(line(f"engine #{i + 1}", a))
+        print(line(f"generate #{i + 1}", b))
+    ours_median, base_median = median_summary(ours), median_summary(base)
+    print(line("engine", ours_median))
+    print(line("generate", base_median))
     result = {
-        **asdict(ours),
-        **{f"baseline_{k}": v for k, v in asdict(base).items()},
-        "ratio": ours.tokens_per_s / base.tokens_per_s,
+        **asdict(ours_median),
+        **{f"baseline_{k}": v for k, v in asdict(base_median).items()},
+        "ratio": ours_median.tokens_per_s / base_median.tokens_per_s,
         "requests": len(requests),
     }
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
     return result
+
+
+def encode_images(adapter: Any, model: Any, requests: list[BenchRequest]) -> None:
+    """Every image's embedding, computed once before the timed runs."""
+    with_image = [r for r in requests if r.pixels is not None]
+    for request, embedding in zip(with_image, adapter.encode(model, [r.pixels for r in with_image]), strict=True):
+        request.embedding = embedding
+
+
+def median_summary(runs: list[Summary]) -> Summary:
+    """Each figure's median over the runs."""
+    fields = asdict(runs[0])
+    values = {k: statistics.median(asdict(r)[k] for r in runs) for k in fields}
+    return Summary(**{k: type(fields[k])(v) for k, v in values.items()})
 
 
 if __name__ == "__main__":

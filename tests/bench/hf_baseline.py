@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from transformers.generation.streamers import BaseStreamer
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from tests.bench.workload import BenchRequest, Timeline
 
@@ -29,8 +30,14 @@ class _StepClock(BaseStreamer):
         pass
 
 
-def run_static_batches(adapter: Any, model: Any, requests: list[BenchRequest], batch_size: int) -> list[Timeline]:
-    """Run the workload in arrival order, `batch_size` at most per `generate`, each batch to its longest output."""
+def run_static_batches(
+    adapter: Any, model: Any, requests: list[BenchRequest], batch_size: int, colocated: bool
+) -> list[Timeline]:
+    """Run the workload in arrival order, `batch_size` at most per `generate`, each batch to its longest output.
+
+    Images go in as the embeddings computed beforehand (`mm_encoder_outputs`), or, `colocated`, as pixels
+    for the vision tower inside `generate`.
+    """
     timelines = [Timeline(r.arrival_s) for r in requests]
     pending = list(range(len(requests)))
     start = time.perf_counter()
@@ -43,22 +50,26 @@ def run_static_batches(adapter: Any, model: Any, requests: list[BenchRequest], b
         batch = [i for i in pending[:batch_size] if requests[i].arrival_s <= now]
         pending = pending[len(batch) :]
         clock = _StepClock(start)
-        _generate(adapter, model, [requests[i] for i in batch], clock)
+        _generate(adapter, model, [requests[i] for i in batch], clock, colocated)
         for i in batch:
             timelines[i].token_times = clock.times[: requests[i].max_tokens]
     return timelines
 
 
-def _generate(adapter: Any, model: Any, batch: list[BenchRequest], clock: _StepClock) -> None:
+def _generate(adapter: Any, model: Any, batch: list[BenchRequest], clock: _StepClock, colocated: bool) -> None:
     pad = adapter.tokenizer.pad_token_id
     length = max(len(r.token_ids) for r in batch)
     ids = torch.tensor([[pad] * (length - len(r.token_ids)) + r.token_ids for r in batch])
     mask = torch.tensor([[0] * (length - len(r.token_ids)) + [1] * len(r.token_ids) for r in batch])
     extra: dict[str, Any] = {}
-    images = [r.pixels for r in batch if r.pixels is not None]
+    images = [r for r in batch if r.pixels is not None]
     if images:
-        extra["pixel_values"] = torch.cat([p.pixel_values for p in images])
-        extra["image_grid_thw"] = torch.tensor([p.grid_thw for p in images])
+        extra["image_grid_thw"] = torch.tensor([r.pixels.grid_thw for r in images])
+        if colocated:
+            extra["pixel_values"] = torch.cat([r.pixels.pixel_values for r in images])
+        else:
+            embeddings = tuple(r.embedding for r in images)
+            extra["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=embeddings)}
     config = copy.deepcopy(model.generation_config)
     config.update(eos_token_id=[], do_sample=False, pad_token_id=pad, max_new_tokens=max(r.max_tokens for r in batch))
     with torch.inference_mode():

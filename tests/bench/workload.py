@@ -7,6 +7,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from services.models.base import ChatMessage, ChatPart, PixelInputs
 from tests import media_factory
 
@@ -53,6 +55,7 @@ class BenchRequest:
     token_ids: list[int]
     max_tokens: int
     pixels: PixelInputs | None = None
+    embedding: torch.Tensor | None = None
     image_offset: int = 0
     image_tokens: int = 0
 

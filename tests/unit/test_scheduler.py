@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.worker.engine.block_manager import BlockManager
@@ -153,7 +153,7 @@ def test_unreserved_request_waits_for_room() -> None:
     assert a.is_finished and b.is_finished and sched.num_preemptions == 0
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     prompts=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 2)), min_size=1, max_size=12),
     budget=st.integers(1, 48),

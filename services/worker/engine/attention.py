@@ -41,15 +41,25 @@ class ChunkSpan:
     block_ids: torch.Tensor
 
 
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Consecutive single-token queries whose contexts are padded to one width of ``blocks`` blocks."""
+
+    num_rows: int
+    block_table: torch.Tensor  # [rows, blocks], padded with block 0
+    mask: torch.Tensor  # [rows, 1, 1, blocks * size] additive: 0 inside the context, -inf past it
+
+
 @dataclass
 class AttentionContext:
-    """What one step's attention calls need, built once per step by the model runner."""
+    """What one step's attention calls need, built once per step by the model runner.
+
+    Rows are the decode groups' queries in order, then the chunks'.
+    """
 
     kv: KVCache
     slot_mapping: torch.Tensor
-    num_decodes: int
-    decode_block_table: torch.Tensor | None  # [B, blocks], padded with block 0
-    decode_mask: torch.Tensor | None  # [B, 1, 1, blocks * size] additive: 0 inside the context, -inf past it
+    decodes: list[DecodeGroup]
     chunks: list[ChunkSpan]
 
 
@@ -82,8 +92,10 @@ def paged_attention(
     _write_slots(v_cache, value, ctx.slot_mapping)
     q = query[0]  # [H, T, D]
     parts = []
-    if ctx.num_decodes:
-        parts.append(_decode_attention(q[:, : ctx.num_decodes], k_cache, v_cache, ctx, scaling))
+    row = 0
+    for group in ctx.decodes:
+        parts.append(_decode_attention(q[:, row : row + group.num_rows], k_cache, v_cache, group, scaling))
+        row += group.num_rows
     for chunk in ctx.chunks:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
         if chunk.context_len == chunk.query_len:  # nothing cached before it: this step's K/V is the context
@@ -108,19 +120,19 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext, scaling: float | None
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scaling: float | None
 ) -> torch.Tensor:
     """Single-token queries ``[H, B, D]`` against their padded contexts; returns ``[B, H, D]``.
 
     The query heads sharing a KV head ride on the query-length axis, so no K/V is repeated.
     """
-    table = ctx.decode_block_table
+    table = group.block_table
     batch, heads, head_dim = table.shape[0], q.shape[0], q.shape[2]
     kv_heads = k_cache.shape[0]
     keys = _gather(k_cache, table.flatten()).view(kv_heads, batch, -1, head_dim).transpose(0, 1)
     values = _gather(v_cache, table.flatten()).view(kv_heads, batch, -1, head_dim).transpose(0, 1)
     query = q.transpose(0, 1).reshape(batch, kv_heads, heads // kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=ctx.decode_mask, scale=scaling)
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=group.mask, scale=scaling)
     return out.reshape(batch, heads, head_dim)
 
 

@@ -82,8 +82,6 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_tokens: int, hit: PrefixHit | None = None) -> None:
         """Give ``seq`` the hit blocks (first allocation only), then fresh blocks for ``num_tokens`` slots."""
-        if not self.can_allocate(seq, num_tokens, hit):
-            raise RuntimeError(f"out of KV blocks for {seq.request_id}")
         if hit and hit.block_ids:
             if seq.block_table:
                 raise RuntimeError(f"prefix hit for {seq.request_id} which already holds blocks")
@@ -92,6 +90,8 @@ class BlockManager:
                 seq.block_table.append(block_id)
             seq.num_registered_blocks = len(hit.block_ids)
         while len(seq.block_table) * self.block_size < num_tokens:
+            if not self.free_block_ids:
+                raise RuntimeError(f"out of KV blocks for {seq.request_id}")
             block_id = next(iter(self.free_block_ids))
             self._evict(block_id)
             self._take(block_id)

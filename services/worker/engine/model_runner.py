@@ -12,6 +12,7 @@ from services.worker.engine.attention import (
     CONTEXT_KWARG,
     AttentionContext,
     ChunkSpan,
+    DecodeGroup,
     KVCache,
     install_paged_attention,
 )
@@ -86,21 +87,28 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], embeddings: EmbeddingPool) -> RunOutput:
         """Compute ``chunks`` in one forward; logits only at the last token of the chunks that sample."""
-        ordered = [c for c in chunks if c.num_tokens == 1] + [c for c in chunks if c.num_tokens > 1]
+        decodes = sorted((c for c in chunks if c.num_tokens == 1), key=_start)  # by context, for grouping
+        ordered = decodes + [c for c in chunks if c.num_tokens > 1]
         ids: list[int] = []
         slots: list[int] = []
         placed: list[PlacedEmbedding] = []
         sample_rows: list[int] = []
+        size = self.block_size
         for chunk in ordered:
             seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
-            placed.extend(_placed_rows(seq, start, end, len(ids), embeddings))
-            ids.extend(seq.token_ids[start:end])
-            table, size = seq.block_table, self.block_size
-            slots.extend(table[i // size] * size + i % size for i in range(start, end))
+            if seq.media:
+                placed.extend(_placed_rows(seq, start, end, len(ids), embeddings))
+            table = seq.block_table
+            if end - start == 1:
+                ids.append(seq.token_ids[start])
+                slots.append(table[start // size] * size + start % size)
+            else:
+                ids.extend(seq.token_ids[start:end])
+                slots.extend(table[i // size] * size + i % size for i in range(start, end))
             if chunk.samples:
                 sample_rows.append(len(ids) - 1)
         positions = torch.cat([c.seq.positions[:, c.start : c.start + c.num_tokens] for c in ordered], dim=1)
-        ctx = self._attention_context(ordered, slots)
+        ctx = self._attention_context(ordered, len(decodes), slots)
         model, adapter = self.model, self.adapter
         embeds = adapter.embed_prompt(model, torch.tensor(ids, device=self.device), placed)
         position_ids = positions.to(self.device)[:, None, :]
@@ -109,28 +117,54 @@ class ModelRunner:
         logits = adapter.compute_logits(model, hidden[0].index_select(0, rows))
         return RunOutput([c for c in ordered if c.samples], logits)
 
-    def _attention_context(self, ordered: list[ScheduledChunk], slots: list[int]) -> AttentionContext:
+    def _attention_context(self, ordered: list[ScheduledChunk], num_decodes: int, slots: list[int]) -> AttentionContext:
         size, device = self.block_size, self.device
-        decodes = [c for c in ordered if c.num_tokens == 1]
-        table = mask = None
-        if decodes:
-            lengths = [c.start + 1 for c in decodes]
-            width = -(-max(lengths) // size)
-            rows = [c.seq.block_table[:width] + [0] * (width - len(c.seq.block_table[:width])) for c in decodes]
-            table = torch.tensor(rows, dtype=torch.long, device=device)
-            span = torch.arange(width * size, device=device)
-            outside = span[None, :] >= torch.tensor(lengths, device=device)[:, None]
-            mask = torch.zeros(outside.shape, dtype=self.dtype, device=device).masked_fill_(outside, float("-inf"))
-            mask = mask[:, None, None, :]
+        lengths = [c.start + 1 for c in ordered[:num_decodes]]  # ascending
+        split = _split_point([-(-n // size) for n in lengths])
+        groups = [
+            self._decode_group(ordered[lo:hi], lengths[lo:hi])
+            for lo, hi in ((0, split), (split, num_decodes))
+            if hi > lo
+        ]
         spans = []
-        query_start = len(decodes)
-        for chunk in ordered[len(decodes) :]:
+        query_start = num_decodes
+        for chunk in ordered[num_decodes:]:
             context_len = chunk.start + chunk.num_tokens
             block_ids = torch.tensor(chunk.seq.block_table[: -(-context_len // size)], device=device)
             spans.append(ChunkSpan(query_start, chunk.num_tokens, context_len, block_ids))
             query_start += chunk.num_tokens
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
-        return AttentionContext(self.kv, slot_mapping, len(decodes), table, mask, spans)
+        return AttentionContext(self.kv, slot_mapping, groups, spans)
+
+    def _decode_group(self, decodes: list[ScheduledChunk], lengths: list[int]) -> DecodeGroup:
+        size, device = self.block_size, self.device
+        width = -(-lengths[-1] // size)
+        rows = [c.seq.block_table[:width] for c in decodes]
+        table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+        span = torch.arange(width * size, device=device)
+        outside = span[None, :] >= torch.tensor(lengths, device=device)[:, None]
+        mask = torch.zeros(outside.shape, dtype=self.dtype, device=device).masked_fill_(outside, float("-inf"))
+        return DecodeGroup(len(decodes), table, mask[:, None, None, :])
+
+
+def _start(chunk: ScheduledChunk) -> int:
+    return chunk.start
+
+
+def _split_point(widths: list[int], group_cost: int = 64) -> int:
+    """Where to cut ascending context widths (in blocks) into two padded groups, or 0 to keep one.
+
+    Padding costs one block-row per missing block; a second group costs about ``group_cost`` of them.
+    """
+    n = len(widths)
+    if n < 2:
+        return 0
+    best, best_cost = 0, n * widths[-1]
+    for k in range(1, n):
+        cost = k * widths[k - 1] + (n - k) * widths[-1] + group_cost
+        if cost < best_cost:
+            best, best_cost = k, cost
+    return best
 
 
 def _placed_rows(seq: Sequence, start: int, end: int, row: int, embeddings: EmbeddingPool) -> list[PlacedEmbedding]:

@@ -52,7 +52,7 @@ class EngineRequest:
     cache_salt: str = ""
 
 
-@dataclass
+@dataclass(slots=True)
 class StepOutput:
     """New tokens of one request after a step; ``finish_reason`` is "stop" or "length" once finished."""
 

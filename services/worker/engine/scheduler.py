@@ -12,18 +12,19 @@ from services.worker.engine.reservation import ReservationLedger
 from services.worker.engine.sequence import Sequence, SequenceStatus
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ScheduledChunk:
-    """Tokens ``[start, start + num_tokens)`` of ``seq`` computed this step."""
+    """Tokens ``[start, start + num_tokens)`` of ``seq`` computed this step; ``samples`` when that reaches
+    the sequence's last token, so a new token is sampled after it."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    samples: bool
 
-    @property
-    def samples(self) -> bool:
-        """True when the chunk reaches the sequence's last token, so a new token is sampled."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+
+def _chunk(seq: Sequence, start: int, num_tokens: int) -> ScheduledChunk:
+    return ScheduledChunk(seq, start, num_tokens, start + num_tokens == len(seq.token_ids))
 
 
 @dataclass
@@ -84,7 +85,7 @@ class Scheduler:
             if num_new == 0 or not self._make_room(seq, seq.num_computed_tokens + num_new, out):
                 continue
             self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
-            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+            out.chunks.append(_chunk(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
         if not out.preempted:
             self._admit_waiting(budget, out)
@@ -92,9 +93,12 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput) -> None:
         """After the model ran: the scheduled tokens are computed; publish newly full blocks."""
+        size = self.block_manager.block_size
         for chunk in out.chunks:
-            chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
-            self.block_manager.cache_full_blocks(chunk.seq)
+            seq = chunk.seq
+            seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            if seq.num_computed_tokens // size > seq.num_registered_blocks:
+                self.block_manager.cache_full_blocks(seq)
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
         admit_unreserved = True
@@ -122,7 +126,7 @@ class Scheduler:
             self.waiting.remove(seq)
             self.running.append(seq)
             seq.status = SequenceStatus.RUNNING
-            out.chunks.append(ScheduledChunk(seq, hit.num_tokens, num_new))
+            out.chunks.append(_chunk(seq, hit.num_tokens, num_new))
             budget -= num_new
 
     def _num_new_tokens(self, seq: Sequence, num_computed: int, budget: int) -> int:
@@ -131,6 +135,8 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Preempt the latest running sequences until ``seq`` fits; False if ``seq`` itself went."""
+        if len(seq.block_table) * self.block_manager.block_size >= num_tokens:
+            return True  # most decode steps: the last block has room
         while not self.block_manager.can_allocate(seq, num_tokens):
             victim = self.running[-1]
             self._preempt(victim)
