@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,15 @@ from tests.engine_support import Prompt, Result, build_prompt, collect, drain, i
 
 LONG = "a long shared system preamble about many things that every request starts with " * 4
 GREEDY = SamplingOptions(max_tokens=12)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """One thread per op: tiny ops gain nothing from more, and a busy 2-core box stalls their sync."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
