@@ -20,6 +20,10 @@ def make_seq(request_id: str, tokens: list[int], max_tokens: int = 8, salt: str 
     return Sequence(request, BLOCK, hash_blocks=True)
 
 
+def request_id(seq: Sequence) -> str:
+    return seq.request_id
+
+
 class BlockManagerMachine(RuleBasedStateMachine):
     """Drives a BlockManager like the scheduler does, with a fake KV store: slot -> token id."""
 
@@ -42,7 +46,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(data=st.data(), chunk=st.integers(1, 9))
     def compute(self, data: st.DataObject, chunk: int) -> None:
-        seq = data.draw(st.sampled_from(sorted(self.live.values(), key=lambda s: s.request_id)))
+        seq = data.draw(st.sampled_from(sorted(self.live.values(), key=request_id)))
         hit = self.bm.find_prefix(seq) if not seq.block_table else None
         start = hit.num_tokens if hit else seq.num_computed_tokens
         num = min(chunk, seq.num_tokens - start)
@@ -60,7 +64,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(s.num_computed_tokens == s.num_tokens for s in self.live.values()))
     @rule(data=st.data(), token=st.integers(0, 3))
     def append(self, data: st.DataObject, token: int) -> None:
-        done = sorted((s for s in self.live.values() if s.num_computed_tokens == s.num_tokens), key=id)
+        done = sorted((s for s in self.live.values() if s.num_computed_tokens == s.num_tokens), key=request_id)
         data.draw(st.sampled_from(done)).append_token(token)
 
     @precondition(lambda self: self.live)
