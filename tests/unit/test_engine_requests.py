@@ -188,3 +188,14 @@ def test_bad_requests_are_refused_and_leave_nothing(loaded: tuple[Any, Any]) -> 
     with pytest.raises(ValueError, match="rows"):
         engine.provide_embedding(item.mm_hash, torch.zeros(item.num_tokens + 1, 64))
     assert set(engine.requests) == {"ok"} and engine.embeddings.refs == {item.mm_hash: 1}
+
+
+def test_request_waits_for_reserved_blocks_without_spinning(loaded: tuple[Any, Any]) -> None:
+    engine = make_engine(loaded, kv_cache_bytes=8 * 8192)  # 8 blocks
+    assert engine.reserve("held", 8 * 16)
+    engine.add_request(EngineRequest("late", [1, 2, 3], sampling=SamplingOptions(max_tokens=5, ignore_eos=True)))
+    assert engine.has_work() and engine.step() == [] and not engine.has_work()
+    engine.release("held")
+    results: dict[str, Result] = {}
+    drain(engine, results)
+    assert results["late"].finish_reason == "length" and len(results["late"].tokens) == 5

@@ -40,6 +40,10 @@ class EmbeddingPool:
     def get(self, mm_hash: str) -> torch.Tensor:
         return self.pinned[mm_hash]
 
+    def peek(self, mm_hash: str) -> torch.Tensor | None:
+        """The embedding if it has arrived (pinned or buffered), else None."""
+        return self.pinned.get(mm_hash, self.buffered.get(mm_hash))
+
     def provide(self, mm_hash: str, tensor: torch.Tensor) -> None:
         """Keep an arrived embedding: pinned if a request needs it, else buffered."""
         tensor = tensor.to(device=self.device, dtype=self.dtype)

@@ -35,6 +35,7 @@ class Engine:
         self.eos_token_ids = frozenset(adapter.eos_token_ids)
         self.max_model_len = config.max_model_len or int(adapter.max_context)
         self.requests: dict[str, Sequence] = {}
+        self._stalled = False  # the last step scheduled nothing and nothing has changed since
 
     # ----- reservations (the router's admission) -----
 
@@ -53,6 +54,7 @@ class Engine:
         """Drop a reservation whose request never came (a live request's is dropped when it ends)."""
         if request_id not in self.requests:
             self.scheduler.ledger.release(request_id)
+            self._stalled = False
 
     # ----- requests -----
 
@@ -64,7 +66,7 @@ class Engine:
         self._validate(seq)
         self.runner.prepare(seq)
         for item in seq.media:
-            known = self.embeddings.pinned.get(item.mm_hash, self.embeddings.buffered.get(item.mm_hash))
+            known = self.embeddings.peek(item.mm_hash)
             if known is not None:
                 _check_rows(item, seq.request_id, known)
         if seq.sampling.seed is not None:
@@ -75,6 +77,7 @@ class Engine:
         self.embeddings.acquire([m.mm_hash for m in seq.media])
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
+        self._stalled = False
 
     def provide_embedding(self, mm_hash: str, tensor: torch.Tensor) -> None:
         """An item's embedding ``[num_tokens, hidden]`` arrived; before or after its requests."""
@@ -83,10 +86,12 @@ class Engine:
                 if item.mm_hash == mm_hash:
                     _check_rows(item, seq.request_id, tensor)
         self.embeddings.provide(mm_hash, tensor)
+        self._stalled = False
 
     def abort(self, request_id: str) -> bool:
         """Drop a request (or a bare reservation) and everything it holds; False if unknown."""
         seq = self.requests.get(request_id)
+        self._stalled = False
         if seq is None:
             known = request_id in self.scheduler.ledger
             self.scheduler.ledger.release(request_id)
@@ -102,8 +107,9 @@ class Engine:
     # ----- stepping -----
 
     def has_work(self) -> bool:
-        """True when some request can make progress now (not all are waiting for embeddings)."""
-        return any(
+        """True when a step may compute something: not all requests wait for embeddings, and the last step
+        did not come back empty with nothing changed since (e.g. blocks held by reservations)."""
+        return not self._stalled and any(
             seq.first_blocked_offset(seq.num_computed_tokens, self.embeddings) > seq.num_computed_tokens
             for seq in self.requests.values()
         )
@@ -112,6 +118,7 @@ class Engine:
         """Schedule, run the model once, sample; returns the new tokens of the requests that sampled."""
         scheduled = self.scheduler.schedule()
         if not scheduled.chunks:
+            self._stalled = True
             return []
         run = self.runner.run(scheduled.chunks, self.embeddings)
         seqs = [c.seq for c in run.sampled]
