@@ -63,6 +63,9 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.shape = KVShape.of(model)
         self.dtype = dtype = config.torch_dtype
+        model_dtype = model.get_input_embeddings().weight.dtype
+        if model_dtype != dtype:
+            raise ValueError(f"EngineConfig.dtype is {dtype} but the model's weights are {model_dtype}")
         self.num_blocks = config.kv_cache_bytes // self.shape.block_bytes(config.block_size, dtype)
         if self.num_blocks < 1:
             raise ValueError(
