@@ -126,7 +126,14 @@ def line(name: str, s: Summary) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> int:
+    """`epd bench engine`: run the comparison, print it; exit status 0."""
+    run(argv)
+    return 0
+
+
+def run(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run both, print the figures (the JSON summary last) and return that summary."""
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -193,4 +200,4 @@ def median_summary(runs: list[Summary]) -> Summary:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
