@@ -31,28 +31,33 @@ class KVCache:
     values: list[torch.Tensor]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChunkSpan:
-    """A multi-token chunk: rows ``[query_start, query_start + query_len)``; its context in blocks."""
+    """A multi-token chunk: rows ``[query_start, query_start + query_len)``; its context in blocks.
+
+    ``block_ids`` is None when nothing is cached before the chunk (its own K/V is the context; plain
+    causal); otherwise ``mask [query_len, context_len]`` (additive: 0 or -inf) is bottom-right causal.
+    """
 
     query_start: int
     query_len: int
     context_len: int
-    block_ids: torch.Tensor
+    block_ids: torch.Tensor | None
+    mask: torch.Tensor | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DecodeGroup:
     """Consecutive single-token queries whose contexts are padded to one width of ``blocks`` blocks."""
 
     num_rows: int
-    block_table: torch.Tensor  # [rows, blocks], padded with block 0
+    block_ids: torch.Tensor  # [rows * blocks], row-major, padded with block 0
     mask: torch.Tensor  # [rows, 1, 1, blocks * size] additive: 0 inside the context, -inf past it
 
 
 @dataclass
 class AttentionContext:
-    """What one step's attention calls need, built once per step by the model runner.
+    """What one step's attention calls need, built once per step by the model runner (shared by layers).
 
     Rows are the decode groups' queries in order, then the chunks'.
     """
@@ -98,12 +103,12 @@ def paged_attention(
         row += group.num_rows
     for chunk in ctx.chunks:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-        if chunk.context_len == chunk.query_len:  # nothing cached before it: this step's K/V is the context
+        if chunk.block_ids is None:  # nothing cached before it: this step's K/V is the context
             keys, values = key[:, rows], value[:, rows]
         else:
             keys = _gather(k_cache, chunk.block_ids)[:, : chunk.context_len]
             values = _gather(v_cache, chunk.block_ids)[:, : chunk.context_len]
-        parts.append(_chunk_attention(q[:, rows], keys, values, scaling))
+        parts.append(_chunk_attention(q[:, rows], keys, values, chunk.mask, scaling))
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     return out.unsqueeze(0), None
 
@@ -126,25 +131,23 @@ def _decode_attention(
 
     The query heads sharing a KV head ride on the query-length axis, so no K/V is repeated.
     """
-    table = group.block_table
-    batch, heads, head_dim = table.shape[0], q.shape[0], q.shape[2]
+    batch, heads, head_dim = group.num_rows, q.shape[0], q.shape[2]
     kv_heads = k_cache.shape[0]
-    keys = _gather(k_cache, table.flatten()).view(kv_heads, batch, -1, head_dim).transpose(0, 1)
-    values = _gather(v_cache, table.flatten()).view(kv_heads, batch, -1, head_dim).transpose(0, 1)
+    keys = _gather(k_cache, group.block_ids).view(kv_heads, batch, -1, head_dim).transpose(0, 1)
+    values = _gather(v_cache, group.block_ids).view(kv_heads, batch, -1, head_dim).transpose(0, 1)
     query = q.transpose(0, 1).reshape(batch, kv_heads, heads // kv_heads, head_dim)
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=group.mask, scale=scaling)
     return out.reshape(batch, heads, head_dim)
 
 
-def _chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float | None) -> torch.Tensor:
+def _chunk_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float | None
+) -> torch.Tensor:
     """A chunk's queries ``[H, q, D]`` over its context ``[Hkv, ctx, D]``, bottom-right causal; ``[q, H, D]``.
 
-    Inputs get a batch axis: 4-D inputs take torch's fused CPU kernel, 3-D ones its slow reference path.
+    ``mask`` None means plain causal (query and context are the same tokens). Inputs get a batch axis:
+    4-D inputs take torch's fused CPU kernel, 3-D ones its slow reference path.
     """
-    q_len, ctx_len = q.shape[1], keys.shape[1]
-    mask = None
-    if ctx_len != q_len:
-        mask = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device).tril(ctx_len - q_len)
     out = F.scaled_dot_product_attention(
         q[None], keys[None], values[None], attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=True
     )

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from services.models.base import PlacedEmbedding, PlacedItem
+from services.models.base import PlacedItem
 from services.worker.engine.attention import (
     CONTEXT_KWARG,
     AttentionContext,
@@ -20,6 +20,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.embeddings import EmbeddingPool
 from services.worker.engine.scheduler import ScheduledChunk
 from services.worker.engine.sequence import Sequence
+from services.worker.engine.step_input import StepInput, build_step_input
 
 
 @dataclass(frozen=True)
@@ -78,104 +79,69 @@ class ModelRunner:
             keys=[torch.zeros(dims, dtype=dtype, device=self.device) for _ in layers],
             values=[torch.zeros(dims, dtype=dtype, device=self.device) for _ in layers],
         )
+        self._arange = torch.arange(1024, device=self.device)
+        self._zero = torch.zeros((), dtype=dtype, device=self.device)
+        self._minus_inf = torch.full((), float("-inf"), dtype=dtype, device=self.device)
         install_paged_attention(model)
 
     def prepare(self, seq: Sequence) -> None:
-        """Compute the sequence's positions for every token it may hold (raises ValueError on bad media)."""
+        """Compute the sequence's positions for every token it may hold (raises ValueError on bad media).
+
+        Kept as three plain lists (one per M-RoPE axis): a step reads them without tensor ops.
+        """
         items = [PlacedItem(m.offset, tuple(m.grid_thw)) for m in seq.media]
         prompt = self.adapter.prompt_positions(self.model, seq.token_ids[: seq.num_prompt_tokens], items)
         tail = self.adapter.decode_positions(seq.num_prompt_tokens, seq.sampling.max_tokens, prompt.rope_delta)
-        seq.positions = torch.cat([prompt.positions, tail.to(prompt.positions.device)], dim=1)
+        seq.positions = torch.cat([prompt.positions.cpu(), tail.cpu()], dim=1).tolist()
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], embeddings: EmbeddingPool) -> RunOutput:
         """Compute ``chunks`` in one forward; logits only at the last token of the chunks that sample."""
-        decodes = sorted((c for c in chunks if c.num_tokens == 1), key=_start)  # by context, for grouping
-        ordered = decodes + [c for c in chunks if c.num_tokens > 1]
-        ids: list[int] = []
-        slots: list[int] = []
-        placed: list[PlacedEmbedding] = []
-        sample_rows: list[int] = []
-        size = self.block_size
-        for chunk in ordered:
-            seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
-            if seq.media:
-                placed.extend(_placed_rows(seq, start, end, len(ids), embeddings))
-            table = seq.block_table
-            if end - start == 1:
-                ids.append(seq.token_ids[start])
-                slots.append(table[start // size] * size + start % size)
-            else:
-                ids.extend(seq.token_ids[start:end])
-                slots.extend(table[i // size] * size + i % size for i in range(start, end))
-            if chunk.samples:
-                sample_rows.append(len(ids) - 1)
-        positions = torch.cat([c.seq.positions[:, c.start : c.start + c.num_tokens] for c in ordered], dim=1)
-        ctx = self._attention_context(ordered, len(decodes), slots)
+        step = build_step_input(chunks, self.block_size, embeddings)
+        packed = torch.tensor(step.ints, dtype=torch.long, device=self.device)
+        n, num_sampled = step.num_tokens, len(step.sampled)
+        ctx = self._attention_context(step, packed)
         model, adapter = self.model, self.adapter
-        embeds = adapter.embed_prompt(model, torch.tensor(ids, device=self.device), placed)
-        position_ids = positions.to(self.device)[:, None, :]
-        hidden = adapter.forward_hidden(model, embeds[None], position_ids, **{CONTEXT_KWARG: ctx})
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        embeds = adapter.embed_prompt(model, packed[:n], step.placed)
+        position_ids = packed[2 * n : 5 * n].view(3, 1, n)
+        hidden = adapter.forward_hidden(
+            model, embeds[None], position_ids, attention_mask=_NO_MASK, **{CONTEXT_KWARG: ctx}
+        )
+        rows = packed[5 * n : 5 * n + num_sampled]
         logits = adapter.compute_logits(model, hidden[0].index_select(0, rows))
-        return RunOutput([c for c in ordered if c.samples], logits)
+        return RunOutput(step.sampled, logits)
 
-    def _attention_context(self, ordered: list[ScheduledChunk], num_decodes: int, slots: list[int]) -> AttentionContext:
-        size, device = self.block_size, self.device
-        lengths = [c.start + 1 for c in ordered[:num_decodes]]  # ascending
-        split = _split_point([-(-n // size) for n in lengths])
-        groups = [
-            self._decode_group(ordered[lo:hi], lengths[lo:hi])
-            for lo, hi in ((0, split), (split, num_decodes))
-            if hi > lo
-        ]
+    def _attention_context(self, step: StepInput, packed: torch.Tensor) -> AttentionContext:
+        """Decode groups and chunk spans as views of ``packed``; masks built once for all layers."""
+        size, n = self.block_size, step.num_tokens
+        span = self._span(max([g.width * size for g in step.decodes] + [c.context_len for c in step.chunks] + [1]))
+        groups = []
+        for g in step.decodes:
+            block_ids = packed[g.table_at : g.table_at + g.num_rows * g.width]
+            lengths = packed[g.lengths_at : g.lengths_at + g.num_rows]
+            inside = span[: g.width * size][None, :] < lengths[:, None]
+            groups.append(DecodeGroup(g.num_rows, block_ids, self._additive(inside)[:, None, None, :]))
         spans = []
-        query_start = num_decodes
-        for chunk in ordered[num_decodes:]:
-            context_len = chunk.start + chunk.num_tokens
-            block_ids = torch.tensor(chunk.seq.block_table[: -(-context_len // size)], device=device)
-            spans.append(ChunkSpan(query_start, chunk.num_tokens, context_len, block_ids))
-            query_start += chunk.num_tokens
-        slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
-        return AttentionContext(self.kv, slot_mapping, groups, spans)
+        for c in step.chunks:
+            if c.num_blocks == 0:
+                spans.append(ChunkSpan(c.query_start, c.query_len, c.context_len, None, None))
+                continue
+            block_ids = packed[c.blocks_at : c.blocks_at + c.num_blocks]
+            first = c.context_len - c.query_len  # the chunk's first token's index in its context
+            inside = span[: c.context_len][None, :] <= span[first : c.context_len][:, None]
+            spans.append(ChunkSpan(c.query_start, c.query_len, c.context_len, block_ids, self._additive(inside)))
+        return AttentionContext(self.kv, packed[n : 2 * n], groups, spans)
 
-    def _decode_group(self, decodes: list[ScheduledChunk], lengths: list[int]) -> DecodeGroup:
-        size, device = self.block_size, self.device
-        width = -(-lengths[-1] // size)
-        rows = [c.seq.block_table[:width] for c in decodes]
-        table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
-        span = torch.arange(width * size, device=device)
-        outside = span[None, :] >= torch.tensor(lengths, device=device)[:, None]
-        mask = torch.zeros(outside.shape, dtype=self.dtype, device=device).masked_fill_(outside, float("-inf"))
-        return DecodeGroup(len(decodes), table, mask[:, None, None, :])
+    def _additive(self, inside: torch.Tensor) -> torch.Tensor:
+        """0 where ``inside``, -inf elsewhere: built once per step (SDPA converts a bool mask per call)."""
+        return torch.where(inside, self._zero, self._minus_inf)
 
-
-def _start(chunk: ScheduledChunk) -> int:
-    return chunk.start
+    def _span(self, length: int) -> torch.Tensor:
+        """``arange(length)`` or longer, on the device; grown by doubling, reused across steps."""
+        if self._arange.shape[0] < length:
+            self._arange = torch.arange(max(length, 2 * self._arange.shape[0]), device=self.device)
+        return self._arange
 
 
-def _split_point(widths: list[int], group_cost: int = 64) -> int:
-    """Where to cut ascending context widths (in blocks) into two padded groups, or 0 to keep one.
-
-    Padding costs one block-row per missing block; a second group costs about ``group_cost`` of them.
-    """
-    n = len(widths)
-    if n < 2:
-        return 0
-    best, best_cost = 0, n * widths[-1]
-    for k in range(1, n):
-        cost = k * widths[k - 1] + (n - k) * widths[-1] + group_cost
-        if cost < best_cost:
-            best, best_cost = k, cost
-    return best
-
-
-def _placed_rows(seq: Sequence, start: int, end: int, row: int, embeddings: EmbeddingPool) -> list[PlacedEmbedding]:
-    """The media rows of tokens ``[start, end)`` of ``seq``, placed at flat row ``row`` onwards."""
-    placed = []
-    for item in seq.media:
-        lo, hi = max(start, item.offset), min(end, item.offset + item.num_tokens)
-        if lo < hi:
-            rows = embeddings.get(item.mm_hash)[lo - item.offset : hi - item.offset]
-            placed.append(PlacedEmbedding(row + lo - start, rows))
-    return placed
+_NO_MASK = {"full_attention": None}
+"""Given as ``attention_mask``: transformers builds no mask (causality is ``paged_attention``'s job)."""

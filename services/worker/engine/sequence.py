@@ -40,7 +40,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_registered_blocks = 0
         self.finish_reason: str | None = None
-        self.positions: torch.Tensor | None = None
+        self.positions: list[list[int]] = []  # M-RoPE rows [3][max tokens], set by the model runner
         self.generator: torch.Generator | None = None
         self._spans = [MediaSpan(m.mm_hash, m.offset, m.num_tokens) for m in self.media]
         self._hash_blocks = hash_blocks
