@@ -45,6 +45,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-num-batched-tokens", type=int, default=96, help="engine token budget per step (decodes + prefill)"
     )
     parser.add_argument("--max-num-seqs", type=int, default=32, help="engine sequence cap")
+    parser.add_argument(
+        "--prefill-tokens-per-free-seq",
+        type=int,
+        default=0,
+        help="decode priority: prefill tokens a step may take per sequence slot not decoding (0: off)",
+    )
     parser.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
@@ -114,6 +120,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_bytes=args.kv_cache_bytes,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        prefill_tokens_per_free_seq=args.prefill_tokens_per_free_seq,
         dtype=args.dtype,
         device=args.device,
     )

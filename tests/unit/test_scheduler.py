@@ -185,3 +185,27 @@ def test_overcommit_preempts_by_recompute_with_same_result() -> None:
         assert sched.block_manager.num_free_blocks == blocks
         assert (sched.num_preemptions > 0) == (overcommit > 1)
     assert results[0] == results[1]
+
+
+def test_decode_priority_caps_prefill_by_free_slots() -> None:
+    """With ``prefill_tokens_per_free_seq``, prefill tokens per step shrink as more sequences decode, never
+    below one block; decodes are not capped, and every sequence ends with the tokens of an uncapped run."""
+    capped = make_scheduler(max_num_batched_tokens=64, max_num_seqs=4, prefill_tokens_per_free_seq=2)
+    plain = make_scheduler(max_num_batched_tokens=64, max_num_seqs=4)
+    seqs: dict[int, list[Sequence]] = {}
+    for key, sched in ((0, capped), (1, plain)):
+        seqs[key] = [make_seq(f"r{i}", list(range(1 + i, 30 + 3 * i)), max_tokens=6) for i in range(6)]
+        for seq in seqs[key]:
+            sched.add(seq)
+    steps = 0
+    while capped.has_work():
+        decoding = [s for s in capped.running if s.num_tokens - s.num_computed_tokens == 1]
+        out = step(capped)
+        prefill = sum(c.num_tokens for c in out.chunks if c.seq not in decoding)
+        assert prefill <= max(BLOCK, 2 * (4 - len(decoding)))
+        assert all(any(c.seq is s for c in out.chunks) for s in decoding)  # every decode ran
+        steps += 1
+        assert steps < 500
+    run_all(plain)
+    assert [s.token_ids for s in seqs[0]] == [s.token_ids for s in seqs[1]]
+    assert all(s.finish_reason == "length" for s in seqs[0])

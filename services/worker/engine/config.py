@@ -16,6 +16,12 @@ class EngineConfig:
     ``kv_cache_bytes`` is the budget for the per-layer K and V block tensors; the number of blocks is
     derived from it and the model's shape. ``overcommit`` scales how many blocks admitted requests may
     reserve against the total (1.0: never more than exist, so preemption never happens).
+
+    ``prefill_tokens_per_free_seq`` (0: off) gives decodes priority to keep inter-token latency flat:
+    a step takes at most ``max(block_size, prefill_tokens_per_free_seq x (max_num_seqs - decodes))``
+    prefill tokens (tokens of chunks longer than one), so a step with many decoding sequences carries a
+    small prefill chunk and one with few a large one; set it near (cost of a decode) / (cost of a prefill
+    token), and a step costs about a full decode step at most.
     """
 
     block_size: int = 16
@@ -27,6 +33,7 @@ class EngineConfig:
     dtype: str | torch.dtype = "float32"
     device: str = "cpu"
     max_model_len: int | None = None
+    prefill_tokens_per_free_seq: int = 0
     embedding_buffer_bytes: int = 256 * 1024 * 1024
     seed: int = 0
 
@@ -36,6 +43,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
         if self.overcommit < 1.0:
             raise ValueError(f"EngineConfig.overcommit must be >= 1.0, got {self.overcommit}")
+        if self.prefill_tokens_per_free_seq < 0:
+            raise ValueError("EngineConfig.prefill_tokens_per_free_seq must be >= 0")
         if self.embedding_buffer_bytes < 0:
             raise ValueError("EngineConfig.embedding_buffer_bytes must be >= 0")
         if self.max_model_len is not None and self.max_model_len <= 0:

@@ -44,7 +44,8 @@ class Scheduler:
     (blocks covering its computed tokens); every sequence in ``running`` holds a reservation in the
     ledger; ``len(running) <= max_num_seqs``. Each step, running sequences catch up first, in order,
     then waiting ones are admitted, all under ``max_num_batched_tokens``; a media item's tokens are
-    scheduled only once its embedding is in ``embeddings``, text before it may go ahead.
+    scheduled only once its embedding is in ``embeddings``, text before it may go ahead. Prefill tokens
+    (of sequences lacking more than one token) also stay under ``_prefill_budget`` (decode priority).
     """
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, embeddings: Container[str]) -> None:
@@ -76,20 +77,33 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        prefill = self._prefill_budget(budget)
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
+            num_new = self._num_new_tokens(seq, seq.num_computed_tokens, budget, prefill)
             if num_new == 0 or not self._make_room(seq, seq.num_computed_tokens + num_new, out):
                 continue
             self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
             out.chunks.append(_chunk(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
+            if seq.num_tokens - seq.num_computed_tokens > 1:
+                prefill -= num_new
         if not out.preempted:
-            self._admit_waiting(budget, out)
+            self._admit_waiting(budget, prefill, out)
         return out
+
+    def _prefill_budget(self, budget: int) -> int:
+        """Prefill tokens this step may take: all of ``budget``, or with ``prefill_tokens_per_free_seq`` set,
+        that many per sequence slot not decoding this step (at least one block's worth)."""
+        per_slot = self.config.prefill_tokens_per_free_seq
+        if per_slot == 0:
+            return budget
+        decodes = sum(1 for seq in self.running if seq.num_tokens - seq.num_computed_tokens == 1)
+        free_slots = max(self.config.max_num_seqs - decodes, 0)
+        return max(self.block_manager.block_size, per_slot * free_slots)
 
     def update(self, out: SchedulerOutput) -> None:
         """After the model ran: the scheduled tokens are computed; publish newly full blocks."""
@@ -100,10 +114,10 @@ class Scheduler:
             if seq.num_computed_tokens // size > seq.num_registered_blocks:
                 self.block_manager.cache_full_blocks(seq)
 
-    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+    def _admit_waiting(self, budget: int, prefill: int, out: SchedulerOutput) -> None:
         admit_unreserved = True
         for seq in list(self.waiting):
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget == 0 or prefill <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
             if seq.request_id not in self.ledger:
                 if not admit_unreserved:
@@ -112,7 +126,7 @@ class Scheduler:
                     admit_unreserved = False  # first come first served among unreserved requests
                     continue
             hit = self.block_manager.find_prefix(seq)
-            num_new = self._num_new_tokens(seq, hit.num_tokens, budget)
+            num_new = self._num_new_tokens(seq, hit.num_tokens, budget, prefill)
             if num_new == 0:
                 continue  # its first uncached tokens wait for an embedding
             num_tokens = hit.num_tokens + num_new
@@ -128,9 +142,15 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             out.chunks.append(_chunk(seq, hit.num_tokens, num_new))
             budget -= num_new
+            if seq.num_tokens - hit.num_tokens > 1:
+                prefill -= num_new
 
-    def _num_new_tokens(self, seq: Sequence, num_computed: int, budget: int) -> int:
+    def _num_new_tokens(self, seq: Sequence, num_computed: int, budget: int, prefill: int) -> int:
+        """Tokens to compute from ``num_computed``: under ``budget``, short of a missing embedding, and
+        under ``prefill`` unless the sequence lacks only one token (a decode)."""
         limit = seq.first_blocked_offset(num_computed, self.embeddings)
+        if seq.num_tokens - num_computed > 1:
+            budget = min(budget, prefill)
         return max(min(limit - num_computed, budget), 0)
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
