@@ -1,10 +1,20 @@
-"""Encoder settings (flags / EPD_* variables); see services/common/config.py for the rules."""
+"""Encoder settings (flags / EPD_* variables); see services/common/config.py for the rules.
+
+Sizing: `preprocess_workers` processes decode images (0: one per core); at most `preprocess_queue`
+items wait for or run in them (0: four per worker), and at most `max_queued_encoder_tokens` tokens
+are admitted but not yet through the tower (0: four tower batches). Beyond either bound `Encode`
+answers RESOURCE_EXHAUSTED at once with a `retry-after-ms` hint.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
-from services.common.config import ServiceConfig, require_positive
+from services.common.config import ConfigError, ServiceConfig, env_name, require_positive
+
+TRANSPORTS = ("grpc", "dist")
+DIST_BACKENDS = ("gloo", "nccl")
 
 
 @dataclasses.dataclass
@@ -14,7 +24,51 @@ class EncoderConfig(ServiceConfig):
         default=16384, metadata={"help": "vision tokens per tower call"})
     max_batch_wait_ms: float = dataclasses.field(default=5.0, metadata={"help": "wait to fill a batch"})
     max_image_pixels: int = dataclasses.field(default=50_000_000, metadata={"help": "pixels per image"})
+    preprocess_workers: int = dataclasses.field(default=0, metadata={"help": "decode processes (0: cores)"})
+    preprocess_queue: int = dataclasses.field(
+        default=0, metadata={"help": "items decoding or waiting to (0: 4 per worker)"})
+    max_queued_encoder_tokens: int = dataclasses.field(
+        default=0, metadata={"help": "tokens admitted, not yet encoded (0: 4 batches)"})
+    embedding_transport: str = dataclasses.field(
+        default="grpc", metadata={"help": "push embeddings by grpc or dist (torch.distributed)"})
+    dist_backend: str = dataclasses.field(default="gloo", metadata={"help": "gloo (CPU) or nccl (GPU)"})
+    transfer_timeout_s: float = dataclasses.field(default=30.0, metadata={"help": "per push, either transport"})
+    inflight_lock_ttl_s: float = dataclasses.field(
+        default=30.0, metadata={"help": "cluster-wide encode lock per mm_hash"})
+    heartbeat_interval_s: float = dataclasses.field(default=0.2, metadata={"help": "registry heartbeat"})
+    compute_nice: int = dataclasses.field(
+        default=10, metadata={"help": "nice increment for decode, prepare and tower (0: off)"})
 
     def validate(self) -> None:
         super().validate()
-        require_positive("max_encoder_tokens_per_batch", self.max_encoder_tokens_per_batch)
+        for name in ("max_encoder_tokens_per_batch", "max_image_pixels", "transfer_timeout_s",
+                     "inflight_lock_ttl_s", "heartbeat_interval_s"):
+            require_positive(name, getattr(self, name))
+        for name in ("max_batch_wait_ms", "preprocess_workers", "preprocess_queue", "max_queued_encoder_tokens",
+                     "compute_nice"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{env_name(name)} must be >= 0, got {getattr(self, name)}")
+        if self.embedding_transport not in TRANSPORTS:
+            raise ConfigError(f"{env_name('embedding_transport')}: {self.embedding_transport!r} is not one of "
+                              f"{', '.join(TRANSPORTS)}")
+        if self.dist_backend not in DIST_BACKENDS:
+            raise ConfigError(f"{env_name('dist_backend')}: {self.dist_backend!r} is not one of "
+                              f"{', '.join(DIST_BACKENDS)}")
+        if self.preprocess_queue and self.preprocess_queue < self.workers:
+            raise ConfigError(f"{env_name('preprocess_queue')} ({self.preprocess_queue}) must be at least "
+                              f"{env_name('preprocess_workers')} ({self.workers})")
+
+    @property
+    def workers(self) -> int:
+        """Decode processes actually started."""
+        return self.preprocess_workers or max(1, os.cpu_count() or 1)
+
+    @property
+    def queue(self) -> int:
+        """Items allowed in the preprocessing stage (running plus waiting)."""
+        return self.preprocess_queue or 4 * self.workers
+
+    @property
+    def queued_token_cap(self) -> int:
+        """Encoder tokens allowed between admission and the end of their tower call."""
+        return self.max_queued_encoder_tokens or 4 * self.max_encoder_tokens_per_batch

@@ -4,14 +4,17 @@
 CUDA or torch state from the parent) behind a counted admission bound, so overload turns into an
 immediate `QueueFull` (the server's RESOURCE_EXHAUSTED) instead of a growing backlog.
 
-Invariant: `outstanding` (jobs accepted and not yet finished, running or waiting) never exceeds
-`max_queue`. A slot is taken under the lock before the job is handed to the executor and is
-released exactly once: by the future's done callback whatever the outcome (result, exception,
-cancellation), or at once when the hand-off itself fails.
+Invariant: `outstanding` (slots reserved plus jobs accepted and not yet finished, running or
+waiting) never exceeds `max_queue`. A slot is taken under the lock before the job is handed to
+the executor and is released exactly once: by the future's done callback whatever the outcome
+(result, exception, cancellation), at once when the hand-off itself fails, or by
+`PoolReservation.release` when a reserved slot goes unused.
 
 Children import only this module's dependencies (PIL, numpy, `services.common.media`, never torch).
 With the spawn and forkserver contexts Python also re-imports the parent's `__main__` module in
 each child, so the encoder's entry point must not import torch at module level.
+
+`nice` > 0 runs the children at that lower CPU priority (see services/encoder/priority.py).
 
 If a child dies (a decoder crash, the OOM killer), the executor breaks: the futures then in flight
 fail with `BrokenProcessPool`, and the next `submit` starts a fresh executor.
@@ -34,6 +37,7 @@ from PIL import Image
 
 from services.common.media import ImageHeader, MediaLimits
 from services.encoder.preprocess import decode_image
+from services.encoder.priority import lower_priority
 
 T = TypeVar("T")
 
@@ -103,6 +107,7 @@ class PreprocessPool:
         *,
         mp_context: str = "spawn",
         max_tasks_per_child: int | None = None,
+        nice: int = 0,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -116,6 +121,7 @@ class PreprocessPool:
         self.max_queue = max_queue
         self._context = multiprocessing.get_context(mp_context)
         self._max_tasks_per_child = max_tasks_per_child
+        self._nice = nice
         self._lock = threading.Lock()
         self._outstanding = 0
         self._closed = False
@@ -140,14 +146,35 @@ class PreprocessPool:
 
     def submit_call(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Run any picklable top-level `fn(*args)` in a child under the same bound."""
+        self._take(1)
+        return self._submit_taken(fn, *args)
+
+    def reserve(self, count: int) -> PoolReservation:
+        """Take `count` slots at once (all or none; `QueueFull` when they do not fit).
+
+        A multi-item request reserves every item it may need to decode before any work starts,
+        so a refusal never leaves half a request queued.
+        """
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        self._take(count)
+        return PoolReservation(self, count)
+
+    def _take(self, count: int) -> None:
         with self._lock:
             if self._closed:
                 raise RuntimeError("preprocess pool is closed")
-            if self._outstanding >= self.max_queue:
+            if self._outstanding + count > self.max_queue:
                 raise QueueFull(self._outstanding, self.max_queue)
-            self._outstanding += 1
-            executor = self._current_executor_locked()
+            self._outstanding += count
+
+    def _submit_taken(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Hand a job whose slot is already counted to the executor (the slot is released once)."""
         try:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("preprocess pool is closed")
+                executor = self._current_executor_locked()
             try:
                 future = executor.submit(fn, *args)
             except BrokenProcessPool:
@@ -182,7 +209,8 @@ class PreprocessPool:
 
     def _new_executor(self) -> ProcessPoolExecutor:
         return ProcessPoolExecutor(
-            max_workers=self.workers, mp_context=self._context, max_tasks_per_child=self._max_tasks_per_child
+            max_workers=self.workers, mp_context=self._context, max_tasks_per_child=self._max_tasks_per_child,
+            initializer=lower_priority if self._nice > 0 else None, initargs=(self._nice,) if self._nice > 0 else (),
         )
 
     def _current_executor_locked(self) -> ProcessPoolExecutor:
@@ -199,6 +227,38 @@ class PreprocessPool:
             if broken and executor is self._executor:  # not one already replaced
                 self._broken = True
 
-    def _release(self) -> None:
+    def _release(self, count: int = 1) -> None:
         with self._lock:
-            self._outstanding -= 1
+            self._outstanding -= count
+
+
+class PoolReservation:
+    """Slots taken from a `PreprocessPool` before the jobs exist.
+
+    Each slot is spent by `submit` (then released by the job's completion) or handed back by
+    `release`; `release` is idempotent, so calling it on every exit path never double-frees.
+    Owned by one caller (not thread-safe).
+    """
+
+    def __init__(self, pool: PreprocessPool, count: int) -> None:
+        self._pool = pool
+        self._left = count
+
+    @property
+    def unused(self) -> int:
+        return self._left
+
+    def submit(self, data: bytes, settings: PreprocessSettings, *, index: int | None = None,
+               ) -> Future[PreprocessResult]:
+        """Decode one image on a reserved slot (same future contract as `PreprocessPool.submit`)."""
+        if self._left < 1:
+            raise RuntimeError("no reserved preprocessing slot left")
+        self._left -= 1
+        return self._pool._submit_taken(preprocess_job, data, settings, time.monotonic(), index)
+
+    def release(self, count: int | None = None) -> None:
+        """Give back `count` unused slots (all of them when None); never more than are left."""
+        count = self._left if count is None else min(count, self._left)
+        if count > 0:
+            self._pool._release(count)
+            self._left -= count

@@ -1,13 +1,20 @@
-"""The encoder service: `Encode` decodes items, runs the vision tower, pushes embeddings to a worker.
+"""The encoder service: `Encode` turns items into embeddings and pushes them to a worker.
 
-Invariants: the same `mm_hash` in flight twice is encoded once (later callers await the first);
-every embedding produced is written to the cache; a bad item fails its request with
-INVALID_ARGUMENT naming the item and leaves the server serving.
+The work itself is in `pipeline` (dedupe, cache, cluster-wide lock, process-pool decode,
+cross-request batching) and `push` (gRPC or torch.distributed). This module maps outcomes to
+gRPC statuses, and wires the parts, the registry heartbeat and the metrics together.
+
+Invariants: a bad item fails its request with INVALID_ARGUMENT naming the item; overload is
+RESOURCE_EXHAUSTED at once with `retry-after-ms` trailing metadata; a push that fails on both
+transports is UNAVAILABLE naming the worker; past the request's deadline it is DEADLINE_EXCEEDED.
+Nothing here waits without a bound; the server keeps serving after any single failure.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -17,125 +24,157 @@ import grpc
 from services.common import grpc_server
 from services.common.embedding_cache import CacheSettings, EmbeddingCache
 from services.common.media import MediaError, MediaLimits
-from services.common.model_info import ModelInfo, load_model_info
-from services.common.rpc.epd.v1 import encoder_pb2, encoder_pb2_grpc, worker_pb2_grpc
+from services.common.model_info import load_model_info
+from services.common.registry import Heartbeat, Registry
+from services.common.rpc.epd.v1 import encoder_pb2, encoder_pb2_grpc
 from services.common.service_main import dtype_of
 from services.common.telemetry import Telemetry
-from services.common.transport_grpc import Embedding, iter_chunks
+from services.encoder.batcher import Batcher, BatcherClosed
 from services.encoder.config import EncoderConfig
+from services.encoder.inflight_lock import InflightLocks
+from services.encoder.load import Admission, Overloaded
 from services.encoder.metrics import EncoderMetrics
-from services.encoder.preprocess import load_image
+from services.encoder.pipeline import Pipeline, PipelineParts
+from services.encoder.preprocess_pool import PreprocessPool, PreprocessSettings
+from services.encoder.priority import lower_priority
+from services.encoder.push import Channels, DistPush, Pusher, PushError
 from services.encoder.runner import VisionRunner
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ItemResult:
-    embedding: Embedding
-    encoded: bool  # False when it came from the cache or another request's encode
+DEFAULT_DEADLINE_S = 120.0
 
 
 class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
-    def __init__(self, info: ModelInfo, runner: VisionRunner, cache: EmbeddingCache,
-                 metrics: EncoderMetrics, limits: MediaLimits) -> None:
-        self._info = info
-        self._runner = runner
-        self._cache = cache
+    def __init__(self, pipeline: Pipeline, pusher: Pusher, metrics: EncoderMetrics, transfer_timeout_s: float) -> None:
+        self._pipeline = pipeline
+        self._pusher = pusher
         self._metrics = metrics
-        self._limits = limits
-        self._inflight: dict[str, asyncio.Future[Embedding]] = {}
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._transfer_timeout_s = transfer_timeout_s
+
+    async def _fail(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, reason: str, message: str) -> None:
+        self._metrics.rejections.add(1, {"reason": reason})
+        await context.abort(code, message)
 
     async def Encode(self, request: encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext,
                      ) -> encoder_pb2.EncodeResponse:
         start = time.perf_counter()
+        budget = _budget(request, context)
         try:
-            results = await asyncio.gather(
-                *(self._embedding_for(index, item) for index, item in enumerate(request.items)))
+            outcomes = await asyncio.wait_for(self._pipeline.embed(request.items), budget)
+        except Overloaded as exc:
+            context.set_trailing_metadata((("retry-after-ms", str(exc.retry_after_ms)),))
+            await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded", str(exc))
         except MediaError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if request.destination:
-            await self._push(request.destination, [r.embedding for r in results], context)
-        encoded = sum(1 for r in results if r.encoded)
-        return encoder_pb2.EncodeResponse(encoded=encoded, cached=len(results) - encoded,
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid", str(exc))
+        except TimeoutError:
+            await self._fail(context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline",
+                             f"encoding {len(request.items)} item(s) took longer than {budget:.1f}s")
+        except BatcherClosed as exc:
+            await self._fail(context, grpc.StatusCode.UNAVAILABLE, "shutdown", str(exc))
+        if request.destination and outcomes:
+            remaining = budget - (time.perf_counter() - start)
+            timeout = max(0.1, min(self._transfer_timeout_s, remaining))
+            try:
+                await self._pusher.push(request.destination, [o.embedding for o in outcomes], timeout)
+            except PushError as exc:
+                await self._fail(context, grpc.StatusCode.UNAVAILABLE, "push", str(exc))
+        encoded = sum(1 for o in outcomes if o.source == "encoded")
+        return encoder_pb2.EncodeResponse(encoded=encoded, cached=len(outcomes) - encoded,
                                           encode_s=time.perf_counter() - start)
 
-    async def _embedding_for(self, index: int, item: encoder_pb2.EncodeItem) -> ItemResult:
-        mm_hash = item.ref.mm_hash
-        pending = self._inflight.get(mm_hash)
-        if pending is not None:
-            return ItemResult(await asyncio.shield(pending), encoded=False)
-        lookup = await asyncio.to_thread(self._cache.get, mm_hash)
-        if lookup.tensor is not None:
-            return ItemResult(Embedding(mm_hash, lookup.tensor), encoded=False)
-        pending = self._inflight.get(mm_hash)  # another request may have started it meanwhile
-        if pending is not None:
-            return ItemResult(await asyncio.shield(pending), encoded=False)
-        future: asyncio.Future[Embedding] = asyncio.get_running_loop().create_future()
-        self._inflight[mm_hash] = future
-        try:
-            embedding = await asyncio.to_thread(self._encode_one, index, mm_hash, item.data)
-            future.set_result(embedding)
-        except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()  # mark retrieved: waiters re-raise it themselves
-            raise
-        finally:
-            self._inflight.pop(mm_hash, None)
-        return ItemResult(embedding, encoded=True)
 
-    def _encode_one(self, index: int, mm_hash: str, data: bytes) -> Embedding:
-        start = time.perf_counter()
-        try:
-            image = load_image(data, self._limits)
-        except MediaError as exc:
-            raise exc.with_index(index) from exc
-        self._metrics.preprocess_seconds.record(time.perf_counter() - start)
-        batch = self._runner.encode([image])
-        self._metrics.encode_seconds.record(batch.seconds)
-        self._metrics.batch_size.record(1)
-        self._metrics.items_encoded.add(1)
-        tensor = batch.embeddings[0]
-        self._cache.put(mm_hash, tensor)
-        return Embedding(mm_hash, tensor)
-
-    async def _push(self, destination: str, embeddings: list[Embedding],
-                    context: grpc.aio.ServicerContext) -> None:
-        channel = self._channels.get(destination)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(destination, options=grpc_server.channel_options())
-            self._channels[destination] = channel
-        stub = worker_pb2_grpc.WorkerStub(channel)
-        start = time.perf_counter()
-        try:
-            ack = await stub.PushEmbeddings(iter_chunks(embeddings), timeout=context.time_remaining())
-        except grpc.aio.AioRpcError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"pushing embeddings to worker {destination} failed: {exc.details()}")
-        self._metrics.transfer_bytes.add(ack.bytes, {"transport": "grpc"})
-        self._metrics.transfer_seconds.record(time.perf_counter() - start, {"transport": "grpc"})
-
-    async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
+def _budget(request: encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext) -> float:
+    """Seconds this request may take: the smaller of its own `deadline_s` and the RPC deadline."""
+    limits = [DEFAULT_DEADLINE_S]
+    if request.deadline_s > 0:
+        limits.append(request.deadline_s)
+    remaining = context.time_remaining()
+    if remaining is not None:
+        limits.append(remaining)
+    return max(0.001, min(limits))
 
 
-async def start_encoder(config: EncoderConfig) -> grpc_server.RunningServer:
-    """Load the model and serve `Encoder` on config.host:config.port; returns the running server."""
+@dataclass
+class RunningEncoder:
+    """Everything `start_encoder` started, stopped in reverse order by `stop`."""
+
+    server: grpc_server.RunningServer
+    heartbeat: Heartbeat
+    batcher: Batcher
+    pipeline: Pipeline
+    pool: PreprocessPool
+    pusher: Pusher
+    telemetry: Telemetry
+    closers: tuple = ()
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    async def stop(self) -> None:
+        await self.heartbeat.stop()
+        await self.server.stop()
+        await self.batcher.close()
+        await self.pusher.close()
+        self.pipeline.close()
+        self.pool.close(cancel_pending=True)
+        for close in self.closers:
+            close()
+        self.telemetry.shutdown()
+
+
+def _pusher(config: EncoderConfig, metrics: EncoderMetrics) -> Pusher:
+    channels = Channels()
+    dist = None
+    if config.embedding_transport == "dist":
+        hostname = config.address.rpartition(":")[0] or config.host
+        dist = DistPush(channels, config.dist_backend, hostname, config.transfer_timeout_s)
+    return Pusher(config.embedding_transport, dist, channels, on_result=metrics.record_push)
+
+
+async def _warm_up(runner: VisionRunner, batcher: Batcher) -> None:
+    """One small image through prepare and the tower, on their own threads, before serving."""
+    from PIL import Image
+
+    image = Image.new("RGB", (64, 64), (128, 128, 128))
+    inputs = await asyncio.to_thread(runner.prepare, image)
+    await batcher.warm_up([inputs, inputs])
+
+
+async def start_encoder(config: EncoderConfig) -> RunningEncoder:
+    """Load the model, start the pool, batcher and heartbeat, and serve `Encoder`."""
     info = load_model_info(config.model)
     model = info.adapter.load_model(device=config.device, dtype=dtype_of(config.dtype))
     telemetry = Telemetry("encoder", config.host, config.metrics_port)
     metrics = EncoderMetrics.create(telemetry.meter)
-    cache = EmbeddingCache(
-        CacheSettings(config.redis_url, info.identity.revision, max_bytes=config.embedding_cache_bytes,
-                      ttl_s=config.embedding_cache_ttl_s),
-        on_event=metrics.cache_event,
-    )
-    servicer = EncoderServicer(info, VisionRunner(info.adapter, model), cache, metrics,
-                               MediaLimits(max_pixels=config.max_image_pixels))
-    binding = grpc_server.ServiceBinding(encoder_pb2_grpc.add_EncoderServicer_to_server, servicer,
-                                         "epd.v1.Encoder")
+    cache = EmbeddingCache(CacheSettings(config.redis_url, info.identity.revision,
+                                         max_bytes=config.embedding_cache_bytes, ttl_s=config.embedding_cache_ttl_s),
+                           on_event=metrics.cache_event)
+    runner = VisionRunner(info.adapter, model)
+    pool = PreprocessPool(config.workers, config.queue, nice=config.compute_nice)
+    await asyncio.to_thread(pool.warm_up)
+    batcher = Batcher(runner.encode_inputs, config.max_encoder_tokens_per_batch, config.max_batch_wait_ms / 1000,
+                      on_batch=metrics.record_batch, thread_initializer=functools.partial(lower_priority,
+                                                                                       config.compute_nice))
+    batcher.start()
+    await _warm_up(runner, batcher)
+    admission = Admission(pool, batcher, config.queued_token_cap)
+    locks = InflightLocks(config.redis_url, info.identity.revision, cache.key, ttl_s=config.inflight_lock_ttl_s)
+    pipeline = Pipeline(PipelineParts(info.adapter, runner, batcher, cache, locks, admission, metrics,
+                                      PreprocessSettings(MediaLimits(max_pixels=config.max_image_pixels))),
+                        cpu_threads=config.workers, nice=config.compute_nice)
+    pusher = _pusher(config, metrics)
+    metrics.observe_load(admission.snapshot)
+    servicer = EncoderServicer(pipeline, pusher, metrics, config.transfer_timeout_s)
+    binding = grpc_server.ServiceBinding(encoder_pb2_grpc.add_EncoderServicer_to_server, servicer, "epd.v1.Encoder")
     running = await grpc_server.start_server(config.host, config.port, [binding])
-    log.info("encoder serving on %s:%d (model %s)", config.host, running.port, info.model_dir)
-    return running
+    address = config.advertise_addr or f"{config.host}:{running.port}"
+    registry = Registry(config.redis_url, ttl_s=max(1.0, 5 * config.heartbeat_interval_s))
+    heartbeat = Heartbeat(registry, "encoder", address, info.identity.revision,
+                          lambda: admission.snapshot().as_state(), config.heartbeat_interval_s)
+    heartbeat.start()
+    gc.freeze()  # the model, tokenizer and libraries never die: keep full collections off their objects
+    log.info("encoder serving on %s (model %s, %d decode processes, queue %d, transport %s)", address,
+             info.model_dir, config.workers, config.queue, config.embedding_transport)
+    return RunningEncoder(running, heartbeat, batcher, pipeline, pool, pusher, telemetry,
+                          (cache.close, locks.close, registry.close))

@@ -24,6 +24,7 @@ from services.common.registry import Heartbeat, Registry
 from services.common.rpc.epd.v1 import worker_pb2, worker_pb2_grpc
 from services.common.service_main import dtype_of
 from services.common.telemetry import Telemetry
+from services.common.transport_dist import DistError, DistReceiver
 from services.common.transport_grpc import ChunkAssembler, StreamError
 from services.worker.config import WorkerConfig
 from services.worker.embedding_store import EmbeddingStore
@@ -54,10 +55,12 @@ def engine_request(request: worker_pb2.WorkerRequest) -> EngineRequest:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, loop: EngineLoop, store: EmbeddingStore, config: WorkerConfig) -> None:
+    def __init__(self, loop: EngineLoop, store: EmbeddingStore, config: WorkerConfig,
+                 dist: DistReceiver | None = None) -> None:
         self._loop = loop
         self._store = store
         self._config = config
+        self._dist = dist or DistReceiver.for_service(config.host, config.address)
 
     def capacity_blocks(self) -> int:
         """The most blocks one request could ever reserve here."""
@@ -144,6 +147,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except (StreamError, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad embedding stream: {exc}")
         return worker_pb2.PushAck(items=items, bytes=assembler.total_bytes)
+
+    async def DistConnect(self, request: worker_pb2.DistConnectRequest, context: grpc.aio.ServicerContext,
+                          ) -> worker_pb2.DistConnectReply:
+        try:
+            return self._dist.connect(request)
+        except (DistError, RuntimeError, ValueError) as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"torch.distributed pair set-up failed: {exc}")
+
+    async def PushDist(self, request: worker_pb2.DistTransfer, context: grpc.aio.ServicerContext,
+                       ) -> worker_pb2.PushAck:
+        try:
+            embeddings = await self._dist.receive(request)
+        except DistError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"torch.distributed push failed: {exc}")
+        for embedding in embeddings:
+            self._store.put(embedding.mm_hash, embedding.tensor)
+        return worker_pb2.PushAck(items=len(embeddings), bytes=sum(e.tensor.nbytes for e in embeddings))
 
     async def Abort(self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext,
                     ) -> worker_pb2.AbortReply:

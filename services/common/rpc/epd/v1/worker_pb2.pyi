@@ -72,3 +72,39 @@ class AbortReply(_message.Message):
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class DistConnectRequest(_message.Message):
+    __slots__ = ("pair_id", "backend", "timeout_s")
+    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    pair_id: str
+    backend: str
+    timeout_s: float
+    def __init__(self, pair_id: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class DistConnectReply(_message.Message):
+    __slots__ = ("store_addr",)
+    STORE_ADDR_FIELD_NUMBER: _ClassVar[int]
+    store_addr: str
+    def __init__(self, store_addr: _Optional[str] = ...) -> None: ...
+
+class DistItem(_message.Message):
+    __slots__ = ("mm_hash", "meta", "tag")
+    MM_HASH_FIELD_NUMBER: _ClassVar[int]
+    META_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    mm_hash: str
+    meta: _common_pb2.TensorMeta
+    tag: int
+    def __init__(self, mm_hash: _Optional[str] = ..., meta: _Optional[_Union[_common_pb2.TensorMeta, _Mapping]] = ..., tag: _Optional[int] = ...) -> None: ...
+
+class DistTransfer(_message.Message):
+    __slots__ = ("pair_id", "items", "timeout_s")
+    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    pair_id: str
+    items: _containers.RepeatedCompositeFieldContainer[DistItem]
+    timeout_s: float
+    def __init__(self, pair_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[DistItem, _Mapping]]] = ..., timeout_s: _Optional[float] = ...) -> None: ...

@@ -53,6 +53,16 @@ class WorkerStub:
                 request_serializer=epd_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
                 response_deserializer=epd_dot_v1_dot_worker__pb2.AbortReply.FromString,
                 _registered_method=True)
+        self.DistConnect = channel.unary_unary(
+                '/epd.v1.Worker/DistConnect',
+                request_serializer=epd_dot_v1_dot_worker__pb2.DistConnectRequest.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_worker__pb2.DistConnectReply.FromString,
+                _registered_method=True)
+        self.PushDist = channel.unary_unary(
+                '/epd.v1.Worker/PushDist',
+                request_serializer=epd_dot_v1_dot_worker__pb2.DistTransfer.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_worker__pb2.PushAck.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -80,6 +90,20 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DistConnect(self, request, context):
+        """torch.distributed transport (services/common/transport_dist.py): gRPC carries the control
+        messages, the tensor bytes go by send/recv in a 2-rank process group per (encoder, worker) pair.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushDist(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -97,6 +121,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=epd_dot_v1_dot_worker__pb2.AbortRequest.FromString,
                     response_serializer=epd_dot_v1_dot_worker__pb2.AbortReply.SerializeToString,
+            ),
+            'DistConnect': grpc.unary_unary_rpc_method_handler(
+                    servicer.DistConnect,
+                    request_deserializer=epd_dot_v1_dot_worker__pb2.DistConnectRequest.FromString,
+                    response_serializer=epd_dot_v1_dot_worker__pb2.DistConnectReply.SerializeToString,
+            ),
+            'PushDist': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushDist,
+                    request_deserializer=epd_dot_v1_dot_worker__pb2.DistTransfer.FromString,
+                    response_serializer=epd_dot_v1_dot_worker__pb2.PushAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -184,6 +218,60 @@ class Worker:
             '/epd.v1.Worker/Abort',
             epd_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
             epd_dot_v1_dot_worker__pb2.AbortReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DistConnect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.Worker/DistConnect',
+            epd_dot_v1_dot_worker__pb2.DistConnectRequest.SerializeToString,
+            epd_dot_v1_dot_worker__pb2.DistConnectReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushDist(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.Worker/PushDist',
+            epd_dot_v1_dot_worker__pb2.DistTransfer.SerializeToString,
+            epd_dot_v1_dot_worker__pb2.PushAck.FromString,
             options,
             channel_credentials,
             insecure,

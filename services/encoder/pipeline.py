@@ -1,0 +1,163 @@
+"""From `EncodeItem`s to embeddings: dedupe, cache, cluster-wide lock, decode, batch, cache write.
+
+Per request: items whose `mm_hash` is already in flight on this encoder join that work; the rest
+are admitted together (all or none, before any I/O: a refusal is immediate). Then per item: the
+cache; else the cluster-wide lock (or wait for the encoder holding it); else decode in the
+process pool, prepare the model inputs on a thread, encode in a cross-request batch, write the
+cache, release the lock.
+
+Invariants:
+- On one encoder, an `mm_hash` has at most one producing task (`_inflight`); later callers await
+  its shielded future, so a cancelled caller never cancels the work others wait for.
+- An embedding is written to the cache before its lock is released, so an encoder waiting on the
+  lock finds it; the lock is released on every path.
+- Every admitted item's slot and tokens are given back exactly once (`Ticket.finish` in finally).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from services.common.embedding_cache import EmbeddingCache
+from services.common.media import MediaError, MediaReason
+from services.common.rpc.epd.v1 import encoder_pb2
+from services.common.transport_grpc import Embedding
+from services.encoder.batcher import Batcher, BatchItem
+from services.encoder.inflight_lock import InflightLocks
+from services.encoder.load import Admission, Ticket
+from services.encoder.metrics import EncoderMetrics
+from services.encoder.preprocess_pool import PreprocessSettings
+from services.encoder.priority import lower_priority
+from services.encoder.runner import VisionRunner
+from services.models.base import ModelAdapter
+
+T = TypeVar("T")
+_PEER_POLL_S = (0.005, 0.1)  # first and longest wait between looks at another encoder's progress
+
+
+@dataclass(frozen=True)
+class ItemOutcome:
+    """An item's embedding and where it came from: encoded | cache | joined | peer."""
+
+    embedding: Embedding
+    source: str
+
+
+@dataclass(frozen=True)
+class PipelineParts:
+    """What the pipeline drives; all owned by the encoder server."""
+
+    adapter: ModelAdapter
+    runner: VisionRunner
+    batcher: Batcher
+    cache: EmbeddingCache
+    locks: InflightLocks
+    admission: Admission
+    metrics: EncoderMetrics
+    settings: PreprocessSettings
+
+
+class Pipeline:
+    """See the module docstring. Call `embed` on the event loop."""
+
+    def __init__(self, parts: PipelineParts, io_threads: int = 8, cpu_threads: int = 2, nice: int = 0) -> None:
+        self._parts = parts
+        self._inflight: dict[str, asyncio.Future[ItemOutcome]] = {}
+        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="encoder-io")
+        self._cpu = ThreadPoolExecutor(cpu_threads, thread_name_prefix="encoder-prepare",
+                                       initializer=functools.partial(lower_priority, nice))
+
+    async def embed(self, items: Sequence[encoder_pb2.EncodeItem]) -> list[ItemOutcome]:
+        """Embeddings for `items` in order. Raises Overloaded (nothing started), MediaError, or
+        what encoding raised."""
+        hashes = [item.ref.mm_hash for item in items]
+        new: dict[str, int] = {}  # mm_hash -> first index, for items nobody here is producing yet
+        for index, mm_hash in enumerate(hashes):
+            if mm_hash not in self._inflight and mm_hash not in new:
+                new[mm_hash] = index
+        ticket = self._parts.admission.admit([max(1, items[i].ref.num_tokens) for i in new.values()])
+        loop = asyncio.get_running_loop()
+        for slot, (mm_hash, index) in enumerate(new.items()):
+            task = loop.create_task(self._produce(slot, index, items[index], ticket))
+            self._inflight[mm_hash] = task
+            task.add_done_callback(lambda done, key=mm_hash: self._settle(key, done))
+        futures = [self._inflight[mm_hash] for mm_hash in hashes]
+        results = await asyncio.gather(*(asyncio.shield(future) for future in futures))
+        return [result if new.get(mm_hash) == index else ItemOutcome(result.embedding, "joined")
+                for index, (mm_hash, result) in enumerate(zip(hashes, results, strict=True))]
+
+    def _settle(self, mm_hash: str, task: asyncio.Future[ItemOutcome]) -> None:
+        if self._inflight.get(mm_hash) is task:
+            del self._inflight[mm_hash]
+        if not task.cancelled():
+            task.exception()  # retrieved: every waiter re-raises it itself
+
+    async def _produce(self, slot: int, index: int, item: encoder_pb2.EncodeItem, ticket: Ticket) -> ItemOutcome:
+        mm_hash = item.ref.mm_hash
+        start = time.perf_counter()
+        parts = self._parts
+        try:
+            lookup = await self._off(self._io, parts.cache.get, mm_hash)
+            if lookup.tensor is not None:
+                return ItemOutcome(Embedding(mm_hash, lookup.tensor), "cache")
+            while True:
+                if await self._off(self._io, parts.locks.acquire, mm_hash):
+                    try:
+                        tensor = await self._encode(slot, index, item, ticket)
+                    finally:
+                        await self._off(self._io, parts.locks.release, mm_hash)
+                    parts.admission.observe_item_seconds(time.perf_counter() - start)
+                    return ItemOutcome(Embedding(mm_hash, tensor), "encoded")
+                parts.metrics.peer_waits.add(1)
+                tensor = await self._wait_for_peer(mm_hash)
+                if tensor is not None:
+                    return ItemOutcome(Embedding(mm_hash, tensor), "peer")
+        finally:
+            ticket.finish(slot)
+
+    async def _encode(self, slot: int, index: int, item: encoder_pb2.EncodeItem, ticket: Ticket) -> Any:
+        parts = self._parts
+        start = time.perf_counter()
+        decoded = await asyncio.wrap_future(ticket.use_slot(slot).submit(item.data, parts.settings, index=index))
+        image = decoded.image()
+        inputs = await self._off(self._cpu, parts.runner.prepare, image)
+        parts.metrics.preprocess_seconds.record(time.perf_counter() - start)
+        tokens = parts.adapter.image_tokens(image.width, image.height).num_tokens
+        if item.ref.num_tokens and item.ref.num_tokens != tokens:
+            raise MediaError(f"the router counted {item.ref.num_tokens} tokens for this image, the encoder "
+                             f"{tokens} (do both run the same model revision?)", MediaReason.CORRUPT, index=index)
+        tensor = await parts.batcher.submit(BatchItem(item.ref.mm_hash, tokens, inputs))
+        await self._off(self._io, parts.cache.put, item.ref.mm_hash, tensor)
+        return tensor
+
+    async def _wait_for_peer(self, mm_hash: str) -> Any:
+        """The embedding another encoder is producing, or None once its lock is gone without one.
+
+        Bounded: the other encoder's lock expires by its TTL, after which this returns None.
+        """
+        parts = self._parts
+        delay = _PEER_POLL_S[0]
+        while True:
+            state = await self._off(self._io, parts.locks.peer_state, mm_hash)
+            if state.cached:
+                lookup = await self._off(self._io, parts.cache.get, mm_hash)
+                if lookup.tensor is not None:
+                    return lookup.tensor
+            if not state.locked:
+                return None
+            await asyncio.sleep(delay)
+            delay = min(_PEER_POLL_S[1], delay * 2)
+
+    @staticmethod
+    async def _off(executor: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+    def close(self) -> None:
+        self._io.shutdown(wait=False, cancel_futures=True)
+        self._cpu.shutdown(wait=False, cancel_futures=True)

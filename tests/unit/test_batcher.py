@@ -1,0 +1,214 @@
+"""The encoder's batcher, admission accounting and batched-vs-alone exactness of the vision tower."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.encoder.batcher import Batcher, BatcherClosed, BatchItem, BatchStats
+from services.encoder.load import Admission, Overloaded
+from services.encoder.preprocess_pool import PreprocessPool
+
+
+class FakeTower:
+    """Records each call's items; the embedding of an item is a tensor holding its value."""
+
+    def __init__(self, fail_on: object = None, delay_s: float = 0.0) -> None:
+        self.calls: list[list[object]] = []
+        self.fail_on = fail_on
+        self.delay_s = delay_s
+        self.threads: set[str] = set()
+
+    def __call__(self, inputs: list[object]) -> Sequence[torch.Tensor]:
+        self.calls.append(list(inputs))
+        self.threads.add(threading.current_thread().name)
+        time.sleep(self.delay_s)
+        if self.fail_on in inputs:
+            raise RuntimeError(f"bad item {self.fail_on}")
+        return [torch.tensor([float(hash(v) % 1000)]) for v in inputs]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _submit_all(batcher: Batcher, tokens: list[int], names: list[str] | None = None):
+    names = names or [f"h{i}" for i in range(len(tokens))]
+    return [batcher.submit(BatchItem(name, t, name)) for name, t in zip(names, tokens, strict=True)]
+
+
+def test_items_from_many_submitters_share_one_call_within_budget() -> None:
+    async def go() -> list[list[object]]:
+        tower = FakeTower()
+        batcher = Batcher(tower, max_tokens=100, max_wait_s=0.05)
+        batcher.start()
+        futures = await _submit_all(batcher, [10, 20, 30, 40])
+        await asyncio.gather(*futures)
+        assert {name for name in tower.threads} and all(n.startswith("vision-tower") for n in tower.threads)
+        await batcher.close()
+        return tower.calls
+
+    assert run(go()) == [["h0", "h1", "h2", "h3"]]
+
+
+@pytest.mark.parametrize(("tokens", "expected"), [
+    ([6, 6, 6], [["h0"], ["h1"], ["h2"]]),
+    ([3, 3, 3, 3], [["h0", "h1", "h2"], ["h3"]]),
+    ([4, 25, 4], [["h0"], ["h1"], ["h2"]]),  # the oversized item runs alone, nobody overtakes it
+    ([25], [["h0"]]),
+])
+def test_budget_splits_batches_in_order_and_oversized_items_run_alone(tokens: list[int], expected) -> None:
+    async def go() -> tuple[list[list[object]], list[BatchStats]]:
+        tower, stats = FakeTower(), []
+        batcher = Batcher(tower, max_tokens=10, max_wait_s=0.05, on_batch=stats.append)
+        batcher.start()
+        await asyncio.gather(*await _submit_all(batcher, tokens))
+        await batcher.close()
+        return tower.calls, stats
+
+    calls, stats = run(go())
+    assert calls == expected
+    for call, stat in zip(calls, stats, strict=True):
+        assert stat.items == len(call) and stat.ok
+        assert stat.tokens <= 10 or stat.items == 1
+
+
+def test_a_full_budget_leaves_at_once_and_a_partial_one_after_the_wait() -> None:
+    async def go() -> tuple[float, float]:
+        batcher = Batcher(FakeTower(), max_tokens=10, max_wait_s=0.3)
+        batcher.start()
+        start = time.perf_counter()
+        await asyncio.gather(*await _submit_all(batcher, [5, 5]))
+        full = time.perf_counter() - start
+        start = time.perf_counter()
+        await asyncio.gather(*await _submit_all(batcher, [5], ["x"]))
+        partial = time.perf_counter() - start
+        await batcher.close()
+        return full, partial
+
+    full, partial = run(go())
+    assert full < 0.2
+    assert 0.25 <= partial < 2.0
+
+
+def test_same_hash_in_flight_is_encoded_once() -> None:
+    async def go() -> FakeTower:
+        tower = FakeTower(delay_s=0.05)
+        batcher = Batcher(tower, max_tokens=100, max_wait_s=0.01)
+        batcher.start()
+        first = batcher.submit(BatchItem("same", 5, "a"))
+        await asyncio.sleep(0.02)  # now running
+        second = batcher.submit(BatchItem("same", 5, "a"))
+        queued = batcher.submit(BatchItem("other", 5, "b"))
+        again = batcher.submit(BatchItem("other", 5, "b"))
+        assert second is first and again is queued
+        results = await asyncio.gather(first, second, queued, again)
+        assert torch.equal(results[0], results[1]) and torch.equal(results[2], results[3])
+        later = await batcher.submit(BatchItem("same", 5, "a"))  # finished: a new submit encodes again
+        assert torch.equal(later, results[0])
+        await batcher.close()
+        return tower
+
+    tower = run(go())
+    assert sum(call.count("a") for call in tower.calls) == 2
+    assert sum(call.count("b") for call in tower.calls) == 1
+
+
+def test_a_bad_item_fails_alone() -> None:
+    async def go() -> tuple[list, FakeTower, list[BatchStats]]:
+        tower, stats = FakeTower(fail_on="h1"), []
+        batcher = Batcher(tower, max_tokens=100, max_wait_s=0.05, on_batch=stats.append)
+        batcher.start()
+        futures = await _submit_all(batcher, [1, 1, 1])
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        await batcher.close()
+        return results, tower, stats
+
+    results, tower, stats = run(go())
+    assert isinstance(results[1], RuntimeError) and "bad item h1" in str(results[1])
+    assert isinstance(results[0], torch.Tensor) and isinstance(results[2], torch.Tensor)
+    assert tower.calls == [["h0", "h1", "h2"], ["h0"], ["h1"], ["h2"]]
+    assert [s.ok for s in stats] == [False, True, False, True]
+
+
+def test_token_accounting_and_close_fails_what_is_left() -> None:
+    async def go() -> None:
+        tower = FakeTower(delay_s=0.2)
+        batcher = Batcher(tower, max_tokens=10, max_wait_s=0.0)
+        batcher.start()
+        futures = await _submit_all(batcher, [8, 7, 6])
+        await asyncio.sleep(0.05)
+        assert (batcher.running_tokens, batcher.queued_tokens, batcher.queued_items) == (8, 13, 2)
+        await batcher.close()
+        for future in futures:
+            with pytest.raises(BatcherClosed):
+                await future
+        assert (batcher.running_tokens, batcher.queued_tokens, batcher.queued_items) == (0, 0, 0)
+        with pytest.raises(BatcherClosed):
+            batcher.submit(BatchItem("late", 1, "late"))
+
+    run(go())
+
+
+def test_batcher_validates() -> None:
+    with pytest.raises(ValueError):
+        Batcher(FakeTower(), max_tokens=0, max_wait_s=0.0)
+    with pytest.raises(ValueError):
+        Batcher(FakeTower(), max_tokens=1, max_wait_s=-1.0)
+
+
+# --- admission ------------------------------------------------------------------------------------
+
+
+def test_admission_is_all_or_nothing_and_gives_everything_back() -> None:
+    async def go() -> None:
+        with PreprocessPool(workers=1, max_queue=3) as pool:
+            batcher = Batcher(FakeTower(), max_tokens=100, max_wait_s=0.0)
+            admission = Admission(pool, batcher, token_cap=50)
+            first = admission.admit([10, 10])
+            assert pool.outstanding == 2 and admission.snapshot().queued_tokens == 20
+            with pytest.raises(Overloaded) as info:
+                admission.admit([5, 5])  # 2 slots asked, 1 left: nothing taken
+            assert info.value.retry_after_ms >= 20
+            assert pool.outstanding == 2 and admission.snapshot().queued_items == 2
+            with pytest.raises(Overloaded, match="encoder tokens"):
+                admission.admit([40])  # 20 queued + 40 > 50
+            first.finish(0)
+            first.finish(0)  # idempotent
+            assert pool.outstanding == 1 and admission.snapshot().queued_tokens == 10
+            first.finish(1)
+            assert pool.outstanding == 0 and admission.snapshot().queued_items == 0
+            lone = admission.admit([500])  # above the cap but nothing queued: admitted
+            lone.finish(0)
+            assert admission.snapshot().as_state() == {
+                "queued_items": 0, "queued_tokens": 0, "preprocess_outstanding": 0,
+                "batch_queue_items": 0, "batch_queue_tokens": 0}
+
+    run(go())
+
+
+# --- the real vision tower -------------------------------------------------------------------------
+
+
+def test_eight_images_in_one_call_equal_each_alone(tiny_model_dir: Path) -> None:
+    from PIL import Image
+
+    from services.common.model_info import load_model_info
+    from services.encoder.runner import VisionRunner
+    from tests import media_factory
+
+    info = load_model_info(tiny_model_dir)
+    runner = VisionRunner(info.adapter, info.adapter.load_model())
+    sizes = [(64, 64), (200, 150), (40, 300), (333, 222), (128, 96), (90, 120), (500, 60), (224, 224)]
+    images = [Image.fromarray(media_factory.pattern(w, h, seed=i), "RGB") for i, (w, h) in enumerate(sizes)]
+    batched = runner.encode(images).embeddings
+    for image, together in zip(images, batched, strict=True):
+        alone = runner.encode([image]).embeddings[0]
+        assert together.dtype == torch.float32 and together.shape == alone.shape
+        assert (together - alone).abs().max().item() <= 1e-5

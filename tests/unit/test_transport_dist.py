@@ -1,0 +1,200 @@
+"""torch.distributed (gloo) embedding transport: bit-exact transfer, bounded failures, gRPC fallback.
+
+Both ranks run in this process (the worker side through `DistReceiver`, the encoder side through
+`PairChannel` / `DistPush`) over real TCP on 127.0.0.1; the cross-process version is in
+tests/integration/test_encoder_pool.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import grpc
+import pytest
+import torch
+
+from services.common import grpc_server
+from services.common.rpc.epd.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.transport_dist import (
+    ENCODER_RANK,
+    DistError,
+    DistReceiver,
+    PairChannel,
+    ReceiverAddress,
+    as_tensor,
+)
+from services.common.transport_grpc import Embedding
+from services.encoder.push import Channels, DistPush, Pusher, PushError, PushResult
+from tests.bench.receiver import _Receiver, digest
+
+LOCAL = ReceiverAddress("127.0.0.1", "127.0.0.1")
+
+
+def _meta(tensor: torch.Tensor) -> common_pb2.TensorMeta:
+    return common_pb2.TensorMeta(dtype=str(tensor.dtype).removeprefix("torch."), shape=list(tensor.shape),
+                                 nbytes=tensor.numel() * tensor.element_size())
+
+
+def _pair(receiver: DistReceiver, timeout_s: float = 20.0) -> PairChannel:
+    pair_id = uuid.uuid4().hex
+    reply = receiver.connect(worker_pb2.DistConnectRequest(pair_id=pair_id, backend="gloo", timeout_s=timeout_s))
+    host, _, port = reply.store_addr.rpartition(":")
+    sender = PairChannel(pair_id, "gloo", ENCODER_RANK, timeout_s)
+    sender.open(host, int(port), "127.0.0.1").result(timeout=timeout_s + 5)
+    return sender
+
+
+def _tensors() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [
+        torch.randn(37, 64, generator=gen),
+        torch.randn(5, 3, 8, generator=gen).to(torch.bfloat16),
+        torch.randn(11, 7, generator=gen).to(torch.float16),
+        torch.tensor([float("nan"), float("inf"), -0.0, 1e-45]),  # odd bit patterns survive too
+        torch.empty(0, 64),
+        torch.randn(5 << 20, generator=gen),  # 20 MiB of float32
+    ]
+
+
+def test_gloo_pair_moves_every_dtype_bit_identically() -> None:
+    receiver = DistReceiver(LOCAL)
+    sender = _pair(receiver)
+    tensors = _tensors()
+
+    async def go() -> list[Embedding]:
+        tags = [sender.next_tag() for _ in tensors]
+        request = worker_pb2.DistTransfer(pair_id=sender.pair_id, timeout_s=20, items=[
+            worker_pb2.DistItem(mm_hash=f"h{i}", meta=_meta(t), tag=tag)
+            for i, (t, tag) in enumerate(zip(tensors, tags, strict=True))])
+        sent = asyncio.wrap_future(sender.send(list(zip(tensors, tags, strict=True))))
+        received, nbytes = await asyncio.gather(receiver.receive(request), sent)
+        assert nbytes == sum(t.numel() * t.element_size() for t in tensors)
+        return received
+
+    try:
+        received = asyncio.run(go())
+        for i, (tensor, embedding) in enumerate(zip(tensors, received, strict=True)):
+            assert embedding.mm_hash == f"h{i}"
+            assert digest(embedding.tensor) == digest(tensor)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_stalled_transfer_fails_in_bounded_time_and_drops_the_pair() -> None:
+    receiver = DistReceiver(LOCAL)
+    sender = _pair(receiver, timeout_s=1.0)
+    tensor = torch.ones(4)
+    request = worker_pb2.DistTransfer(pair_id=sender.pair_id, timeout_s=1.0, items=[
+        worker_pb2.DistItem(mm_hash="never", meta=_meta(tensor), tag=99)])
+    try:
+        start = time.perf_counter()
+        with pytest.raises(DistError, match="timed out|failed"):
+            asyncio.run(receiver.receive(request))  # the sender never sends
+        assert time.perf_counter() - start < 5
+        with pytest.raises(DistError, match="unknown or failed pair"):
+            asyncio.run(receiver.receive(request))
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_connect_refuses_bad_requests_and_unavailable_backends() -> None:
+    receiver = DistReceiver(LOCAL)
+    try:
+        with pytest.raises(DistError, match="backend"):
+            receiver.connect(worker_pb2.DistConnectRequest(pair_id="a", backend="mpi"))
+        with pytest.raises(DistError, match="pair_id"):
+            receiver.connect(worker_pb2.DistConnectRequest(backend="gloo"))
+        receiver.connect(worker_pb2.DistConnectRequest(pair_id="dup", backend="gloo", timeout_s=0.5))
+        with pytest.raises(DistError, match="already exists"):
+            receiver.connect(worker_pb2.DistConnectRequest(pair_id="dup", backend="gloo", timeout_s=0.5))
+        if not torch.cuda.is_available():
+            receiver.connect(worker_pb2.DistConnectRequest(pair_id="gpu", backend="nccl", timeout_s=0.5))
+            request = worker_pb2.DistTransfer(pair_id="gpu", timeout_s=2)
+            with pytest.raises(DistError, match="nccl|unknown or failed"):
+                asyncio.run(receiver.receive(request))
+    finally:
+        receiver.close()
+    with pytest.raises(ValueError, match="EPD_DIST_PORT"):
+        DistReceiver(ReceiverAddress("127.0.0.1", "127.0.0.1", port=70000))
+
+
+def test_as_tensor_checks_size_and_dtype() -> None:
+    raw = torch.zeros(16, dtype=torch.uint8)
+    assert as_tensor(raw, common_pb2.TensorMeta(dtype="float32", shape=[2, 2], nbytes=16)).shape == (2, 2)
+    with pytest.raises(DistError, match="needs 32 bytes"):
+        as_tensor(raw, common_pb2.TensorMeta(dtype="float32", shape=[2, 4], nbytes=32))
+    with pytest.raises(DistError, match="dtype"):
+        as_tensor(raw, common_pb2.TensorMeta(dtype="nonsense", shape=[16], nbytes=16))
+
+
+class _NoDist(_Receiver):
+    """A worker whose dist side is broken: DistConnect always fails."""
+
+    async def DistConnect(self, request, context):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "no dist here")
+
+
+async def _serve(servicer: _Receiver) -> grpc_server.RunningServer:
+    binding = grpc_server.ServiceBinding(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "epd.v1.Worker")
+    return await grpc_server.start_server("127.0.0.1", 0, [binding])
+
+
+def test_dist_push_reuses_its_pair_and_re_pairs_after_a_failure() -> None:
+    async def go() -> None:
+        servicer = _Receiver()
+        running = await _serve(servicer)
+        address = f"127.0.0.1:{running.port}"
+        channels = Channels()
+        push = DistPush(channels, "gloo", "127.0.0.1", timeout_s=10)
+        try:
+            first, second = torch.randn(3, 4), torch.randn(200, 64).to(torch.bfloat16)
+            assert await push.push(address, [Embedding("a", first)], 10) == first.nbytes
+            pair = push._pairs[address]
+            await push.push(address, [Embedding("b", second)], 10)
+            assert push._pairs[address] is pair
+            servicer.dist.drop(pair.pair_id)  # the worker lost the pair (restart, failure)
+            with pytest.raises(PushError, match=f"dist push to worker {address}"):
+                await push.push(address, [Embedding("c", first)], 5)
+            await push.push(address, [Embedding("c", first)], 10)  # a new pair
+            assert push._pairs[address].pair_id != pair.pair_id
+            assert digest(servicer.received["a"]) == digest(first)
+            assert digest(servicer.received["b"]) == digest(second)
+            assert digest(servicer.received["c"]) == digest(first)
+        finally:
+            push.close()
+            await channels.close()
+            servicer.dist.close()
+            await running.stop(0.1)
+
+    asyncio.run(go())
+
+
+def test_pusher_falls_back_to_grpc_and_fails_clearly_when_both_fail() -> None:
+    async def go() -> None:
+        servicer = _NoDist()
+        running = await _serve(servicer)
+        address = f"127.0.0.1:{running.port}"
+        channels = Channels()
+        results: list[PushResult] = []
+        pusher = Pusher("dist", DistPush(channels, "gloo", "127.0.0.1", timeout_s=5), channels,
+                        on_result=results.append)
+        try:
+            tensor = torch.randn(2 << 20)  # 8 MiB: several gRPC chunks
+            result = await pusher.push(address, [Embedding("x", tensor)], 10)
+            assert (result.transport, result.fell_back, result.bytes) == ("grpc", True, tensor.nbytes)
+            assert results == [result]
+            assert digest(servicer.received["x"]) == digest(tensor)
+            await running.stop(0.1)
+            start = time.perf_counter()
+            with pytest.raises(PushError, match=f"worker {address}"):
+                await pusher.push(address, [Embedding("y", tensor)], 2)
+            assert time.perf_counter() - start < 10
+        finally:
+            await pusher.close()
+            servicer.dist.close()
+
+    asyncio.run(go())
