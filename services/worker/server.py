@@ -32,6 +32,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions
 from services.worker.engine_loop import EngineLoop
+from services.worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +56,12 @@ def engine_request(request: worker_pb2.WorkerRequest) -> EngineRequest:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, loop: EngineLoop, store: EmbeddingStore, config: WorkerConfig,
+    def __init__(self, loop: EngineLoop, store: EmbeddingStore, config: WorkerConfig, metrics: WorkerMetrics,
                  dist: DistReceiver | None = None) -> None:
         self._loop = loop
         self._store = store
         self._config = config
+        self._metrics = metrics
         self._dist = dist or DistReceiver.for_service(config.host, config.address)
 
     def capacity_blocks(self) -> int:
@@ -95,6 +97,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         fetchers = [asyncio.create_task(self._fetch(m.mm_hash, timeout)) for m in request.media]
         fetch_error = asyncio.create_task(self._first_error(fetchers))
         finished = False
+        first_token = True
+        generated = 0
         try:
             yield worker_pb2.WorkerResponse(admitted=True)
             while True:
@@ -107,6 +111,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if out is None:
                     await context.abort(grpc.StatusCode.INTERNAL, "engine step failed; see worker log")
                 finished = out.finished
+                generated += len(out.new_token_ids)
+                if first_token:
+                    first_token = False
+                    self._metrics.prefill_seconds.record(time.perf_counter() - start)
+                if finished:
+                    self._record_finished(len(request.token_ids), out.cached_tokens, generated)
                 yield worker_pb2.WorkerResponse(
                     token_ids=out.new_token_ids, finished=out.finished, finish_reason=out.finish_reason or "",
                     cached_tokens=out.cached_tokens, prefill_s=time.perf_counter() - start)
@@ -119,8 +129,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if not finished:
                 self._loop.abort(request.request_id)
 
+    def _record_finished(self, prompt_tokens: int, cached_tokens: int, generated: int) -> None:
+        self._metrics.prefix_cache_queries.add(prompt_tokens)
+        self._metrics.prefix_cache_hits.add(cached_tokens)
+        self._metrics.prompt_tokens.add(prompt_tokens)
+        self._metrics.generation_tokens.add(generated)
+
     async def _fetch(self, mm_hash: str, timeout_s: float) -> None:
+        start = time.perf_counter()
         tensor = await self._store.fetch(mm_hash, timeout_s)
+        self._metrics.embedding_wait_seconds.record(time.perf_counter() - start)
         self._loop.provide_embedding(mm_hash, tensor)
 
     @staticmethod
@@ -144,6 +162,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     self._store.put(embedding.mm_hash, embedding.tensor)
                     items += 1
             assembler.finish()
+            self._metrics.transfer_bytes.add(assembler.total_bytes, {"transport": "grpc"})
         except (StreamError, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad embedding stream: {exc}")
         return worker_pb2.PushAck(items=items, bytes=assembler.total_bytes)
@@ -202,14 +221,16 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
                                          ttl_s=config.embedding_cache_ttl_s))
     loop = EngineLoop(Engine(info.adapter, model, engine_config(config)))
     loop.start()
-    servicer = WorkerServicer(loop, EmbeddingStore(cache), config)
+    metrics = WorkerMetrics.create(telemetry.meter, lambda: loop.kv_state)
+    servicer = WorkerServicer(loop, EmbeddingStore(cache), config, metrics)
     binding = grpc_server.ServiceBinding(worker_pb2_grpc.add_WorkerServicer_to_server, servicer,
                                          "epd.v1.Worker")
     running = await grpc_server.start_server(config.host, config.port, [binding])
     address = config.advertise_addr or f"{config.host}:{running.port}"
 
     def state() -> dict:
-        return {**dataclasses.asdict(loop.kv_state), "capacity_blocks": servicer.capacity_blocks()}
+        return {**dataclasses.asdict(loop.kv_state), "capacity_blocks": servicer.capacity_blocks(),
+                "snapshot_at": loop.kv_state_at}
 
     heartbeat = Heartbeat(Registry(config.redis_url, ttl_s=max(1.0, 5 * config.heartbeat_interval_s)),
                           "worker", address, info.identity.revision, state, config.heartbeat_interval_s)
