@@ -123,11 +123,11 @@ class Pipeline:
 
     async def _encode(self, slot: int, index: int, item: encoder_pb2.EncodeItem, ticket: Ticket) -> Any:
         parts = self._parts
-        start = time.perf_counter()
         decoded = await asyncio.wrap_future(ticket.use_slot(slot).submit(item.data, parts.settings, index=index))
         image = decoded.image()
+        start = time.perf_counter()
         inputs = await self._off(self._cpu, parts.runner.prepare, image)
-        parts.metrics.preprocess_seconds.record(time.perf_counter() - start)
+        parts.metrics.preprocess_seconds.record(decoded.decode_s + time.perf_counter() - start)
         tokens = parts.adapter.image_tokens(image.width, image.height).num_tokens
         if item.ref.num_tokens and item.ref.num_tokens != tokens:
             raise MediaError(f"the router counted {item.ref.num_tokens} tokens for this image, the encoder "
