@@ -63,13 +63,23 @@ def _up(args: argparse.Namespace) -> int:
             print(f"  {p.role:8s} {p.address}  metrics http://127.0.0.1:{p.metrics_port}/metrics  log {p.log_path}")
         print(f"router (gRPC Generate) at {cluster.address}. Try: epd generate --image FILE \"describe\"")
     print("Ctrl-C stops everything.", flush=True)
-    try:
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
-    except KeyboardInterrupt:
-        pass
-    finally:
-        stop()
+    _wait_for_stop_signal()
+    stop()
     return 0
+
+
+def _wait_for_stop_signal() -> None:
+    """Block until SIGINT or SIGTERM (both handled, so neither kills us before cleanup)."""
+    import threading
+
+    stopped = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stopped.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stopped.wait(0.5):
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _demo_image() -> bytes:

@@ -1,9 +1,11 @@
 """Sending a request's uncached media items to encoders, with failover.
 
-Items go to the least-loaded registered encoder with the admitted worker as destination. An
-encoder that is unreachable or fails is skipped and the items go to the next one; when none is
-left, the worker encodes them itself (co-located fallback: every worker also serves
-`epd.v1.Encoder`). Bad media (INVALID_ARGUMENT from an encoder) fails the request at once.
+Each item goes to the encoder that owns its `mm_hash` by rendezvous hashing over the registered
+encoders (so one image meets one encoder cluster-wide and is encoded once), with the admitted
+worker as destination. An encoder that is unreachable or fails is skipped and the items go to the
+next one; when none is left, the worker encodes them itself (co-located fallback: every worker also
+serves `epd.v1.Encoder`). Bad media (INVALID_ARGUMENT) fails the request at once; when every
+encoder is busy the client gets RESOURCE_EXHAUSTED with the encoders' `retry-after-ms`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable
 import grpc
 
 from services.common.embedding_cache import EmbeddingCache
+from services.common.placement_hash import group_by_encoder
 from services.common.rpc.epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 from services.router.cluster_view import ClusterView
 from services.router.errors import RequestError, invalid, unavailable
@@ -33,9 +36,8 @@ class EncodeDispatcher:
         self._channel = channel
         self._static = static_encoders
 
-    def _candidates(self) -> list[str]:
-        encoders = sorted(self._view.encoders(), key=lambda e: e.queued_tokens)
-        return [e.address for e in encoders] or list(self._static)
+    def _encoders(self) -> list[str]:
+        return [e.address for e in self._view.encoders()] or list(self._static)
 
     async def encode(self, request_id: str, refs: list[common_pb2.MediaRef], data: list[bytes], worker: str,
                      deadline: float) -> float:
@@ -49,23 +51,51 @@ class EncodeDispatcher:
                  for ref, blob, hit in zip(refs, data, cached, strict=True) if not hit]
         if not items:
             return 0.0
+        encoders = self._encoders()
+        groups = group_by_encoder([item.ref.mm_hash for item in items], encoders) if encoders else {worker: []}
+        calls = [self._encode_group(request_id, [items[i] for i in indexes] or items, owner, encoders, worker,
+                                    deadline) for owner, indexes in groups.items()]
+        await asyncio.gather(*calls)
+        return time.perf_counter() - start
+
+    async def _encode_group(self, request_id: str, items: list[encoder_pb2.EncodeItem], owner: str,
+                            encoders: list[str], worker: str, deadline: float) -> None:
+        """Encode on the items' owner (rendezvous hashing: one image meets one encoder cluster-wide),
+        failing over to the other encoders, then to the worker itself (co-located encoding)."""
         request = encoder_pb2.EncodeRequest(request_id=request_id, items=items, destination=worker)
         failures: list[str] = []
-        for encoder in [*self._candidates(), worker]:
+        busy_hint: str | None = None
+        candidates = list(dict.fromkeys([owner, *encoders])) if encoders else []
+        for encoder in candidates:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             request.deadline_s = remaining
             try:
                 await encoder_pb2_grpc.EncoderStub(self._channel(encoder)).Encode(request, timeout=remaining)
-                return time.perf_counter() - start
+                return
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise invalid(exc.details()) from exc
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    busy_hint = dict(exc.trailing_metadata() or ()).get("retry-after-ms", busy_hint)
                     failures.append(f"{encoder}: busy")
                     continue
                 if exc.code() not in RETRYABLE:
                     raise RequestError(exc.code(), f"encoder {encoder}: {exc.details()}") from exc
                 failures.append(f"{encoder}: {exc.code().name}")
+        if busy_hint is not None and all(f.endswith("busy") for f in failures):
+            # overload is refused, not pushed onto the worker: decode latency stays flat
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "every encoder is busy; retry later",
+                               (("retry-after-ms", str(busy_hint)),))
+        remaining = deadline - time.monotonic()
+        if remaining > 0:
+            request.deadline_s = remaining
+            try:
+                await encoder_pb2_grpc.EncoderStub(self._channel(worker)).Encode(request, timeout=remaining)
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise invalid(exc.details()) from exc
+                failures.append(f"{worker} (co-located): {exc.code().name}")
         raise unavailable(f"no encoder could encode the request's images ({'; '.join(failures) or 'deadline'})")

@@ -19,19 +19,22 @@ import grpc
 
 from services.common import grpc_server
 from services.common.embedding_cache import CacheSettings, EmbeddingCache
+from services.common.media import MediaLimits
 from services.common.model_info import load_model_info
 from services.common.registry import Heartbeat, Registry
-from services.common.rpc.epd.v1 import worker_pb2, worker_pb2_grpc
+from services.common.rpc.epd.v1 import encoder_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.service_main import dtype_of
 from services.common.telemetry import Telemetry
 from services.common.transport_dist import DistError, DistReceiver
 from services.common.transport_grpc import ChunkAssembler, StreamError
+from services.encoder.runner import VisionRunner
 from services.worker.config import WorkerConfig
 from services.worker.embedding_store import EmbeddingStore
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions
 from services.worker.engine_loop import EngineLoop
+from services.worker.local_encoder import LocalEncoderServicer
 from services.worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -222,11 +225,17 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
     loop = EngineLoop(Engine(info.adapter, model, engine_config(config)))
     loop.start()
     metrics = WorkerMetrics.create(telemetry.meter, lambda: loop.kv_state)
-    servicer = WorkerServicer(loop, EmbeddingStore(cache), config, metrics)
-    binding = grpc_server.ServiceBinding(worker_pb2_grpc.add_WorkerServicer_to_server, servicer,
-                                         "epd.v1.Worker")
-    running = await grpc_server.start_server(config.host, config.port, [binding])
+    store = EmbeddingStore(cache)
+    servicer = WorkerServicer(loop, store, config, metrics)
+    local_encoder = LocalEncoderServicer(VisionRunner(info.adapter, model), store, cache,
+                                         MediaLimits(max_pixels=config.max_image_pixels), config.address)
+    bindings = [
+        grpc_server.ServiceBinding(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "epd.v1.Worker"),
+        grpc_server.ServiceBinding(encoder_pb2_grpc.add_EncoderServicer_to_server, local_encoder, "epd.v1.Encoder"),
+    ]
+    running = await grpc_server.start_server(config.host, config.port, bindings)
     address = config.advertise_addr or f"{config.host}:{running.port}"
+    local_encoder.address = address
 
     def state() -> dict:
         return {**dataclasses.asdict(loop.kv_state), "capacity_blocks": servicer.capacity_blocks(),

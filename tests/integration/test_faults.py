@@ -91,10 +91,14 @@ def _check(results: list[Result], phase: str) -> None:
     assert sum(r.ok for r in results) >= len(results) // 2, f"{phase}: most requests failed"
 
 
+_FRESH_SEEDS = itertools.count(5000)
+
+
 def _serves_normally(cluster: LocalCluster) -> None:
+    """Three requests with never-seen images (so they must be encoded) all succeed."""
     with Client(cluster.address) as client:
-        for seed in range(3):
-            answer = client.generate(user_request("after", [media_factory.png(70, 70, seed=5000 + seed)],
+        for seed in itertools.islice(_FRESH_SEEDS, 3):
+            answer = client.generate(user_request("after", [media_factory.png(70, 70, seed=seed)],
                                                   max_tokens=6), timeout_s=DEADLINE_S)
             assert len(answer.token_ids) > 0 and answer.final.usage.image_tokens > 0
 
@@ -126,4 +130,15 @@ def test_worker_killed_under_load(cluster: LocalCluster) -> None:
         os.kill(cluster.workers[0].popen.pid, signal.SIGKILL)
         time.sleep(4)
     _check(load.results, "worker kill")
+    _serves_normally(cluster)
+
+
+def test_all_encoders_gone_workers_encode_themselves(cluster: LocalCluster) -> None:
+    for encoder in cluster.encoders:
+        if encoder.popen.poll() is None:
+            os.kill(encoder.popen.pid, signal.SIGKILL)
+    with Load(cluster.address, clients=2) as load:
+        time.sleep(4)
+    _check(load.results, "no encoders")
+    assert all(r.ok for r in load.results), {r.details for r in load.results if not r.ok}
     _serves_normally(cluster)
