@@ -185,7 +185,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"torch.distributed push failed: {exc}")
         for embedding in embeddings:
             self._store.put(embedding.mm_hash, embedding.tensor)
-        return worker_pb2.PushAck(items=len(embeddings), bytes=sum(e.tensor.nbytes for e in embeddings))
+        nbytes = sum(e.tensor.nbytes for e in embeddings)
+        self._metrics.transfer_bytes.add(nbytes, {"transport": "dist"})
+        return worker_pb2.PushAck(items=len(embeddings), bytes=nbytes)
+
+    def close(self) -> None:
+        self._dist.close()
 
     async def Abort(self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext,
                     ) -> worker_pb2.AbortReply:
@@ -196,6 +201,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 @dataclasses.dataclass
 class RunningWorker:
     server: grpc_server.RunningServer
+    servicer: WorkerServicer
     loop: EngineLoop
     heartbeat: Heartbeat
     telemetry: Telemetry
@@ -203,6 +209,7 @@ class RunningWorker:
     async def stop(self) -> None:
         await self.heartbeat.stop()
         await self.server.stop()
+        self.servicer.close()
         self.loop.stop()
         self.telemetry.shutdown()
 
@@ -245,4 +252,4 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
                           "worker", address, info.identity.revision, state, config.heartbeat_interval_s)
     heartbeat.start()
     log.info("worker serving on %s (model %s, %d KV blocks)", address, info.model_dir, loop.kv_state.total_blocks)
-    return RunningWorker(running, loop, heartbeat, telemetry)
+    return RunningWorker(running, servicer, loop, heartbeat, telemetry)
