@@ -42,13 +42,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mean-interval-ms", type=float, default=20.0, help="mean gap between arrivals")
     parser.add_argument("--baseline-batch", type=int, default=16, help="static batch size for generate")
     parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=96, help="engine token budget per step (decodes + prefill)"
+        "--max-num-batched-tokens", type=int, default=128, help="engine token budget per step (decodes + prefill)"
     )
     parser.add_argument("--max-num-seqs", type=int, default=32, help="engine sequence cap")
     parser.add_argument(
         "--prefill-tokens-per-free-seq",
         type=int,
-        default=0,
+        default=8,
         help="decode priority: prefill tokens a step may take per sequence slot not decoding (0: off)",
     )
     parser.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
@@ -173,7 +173,8 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
         f"workload: {len(requests)} requests ({images} with a 448x448 image), outputs {output_range[0]}-"
         f"{output_range[1]} tokens, mean arrival gap {args.mean_interval_ms:.0f} ms, torch threads "
         f"{torch.get_num_threads()}, vision tower run {encoder}"
-        f"; engine budget {args.max_num_batched_tokens} tokens, {args.max_num_seqs} seqs; baseline static batches of "
+        f"; engine budget {args.max_num_batched_tokens} tokens, {args.max_num_seqs} seqs, "
+        f"{args.prefill_tokens_per_free_seq} prefill tokens per free seq; baseline static batches of "
         f"{args.baseline_batch}; {args.repeats} runs each, medians last"
     )
     for i, (a, b) in enumerate(zip(ours, base, strict=True)):
