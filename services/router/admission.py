@@ -37,6 +37,14 @@ class AdmissionSettings:
 
 
 @dataclass(frozen=True)
+class Reserved(Generic[T]):
+    """A worker's yes: the caller's handle on the request there, and the worker's clock at reserving."""
+
+    handle: T
+    at: float
+
+
+@dataclass(frozen=True)
 class Admitted(Generic[T]):
     worker: str
     blocks: int
@@ -86,12 +94,12 @@ class Admission:
                                   "cluster_full")
         return need
 
-    def released(self, worker: str, blocks: int) -> None:
-        """The request placed on `worker` ended (its stream is closed, so the worker freed it)."""
-        self._view.note_released(worker, blocks)
+    def released(self, worker: str, blocks: int, at: float) -> None:
+        """The request placed on `worker` ended; `at` is the worker's time of freeing (0: unknown)."""
+        self._view.note_released(worker, blocks, at)
 
     async def admit(self, projected_tokens: int, hashes: Sequence[bytes],
-                    try_worker: Callable[[str], Awaitable[T | None]], deadline: float) -> Admitted[T]:
+                    try_worker: Callable[[str], Awaitable[Reserved[T] | None]], deadline: float) -> Admitted[T]:
         """Reserve on the best worker that accepts; `try_worker` returns None on a refusal."""
         start = time.monotonic()
         queued = False
@@ -104,13 +112,26 @@ class Admission:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(changed.wait(), 0.1)
                     continue
-                need = self.needed_blocks(projected_tokens)
+                try:
+                    need = self.needed_blocks(projected_tokens)
+                except Rejection as exc:
+                    if queued and exc.reason == "cluster_full":
+                        exc.reason = "cluster_full_after_wait"
+                        exc.message += f" (after waiting {time.monotonic() - start:.2f}s)"
+                    raise
                 for worker in rank_workers(workers, need, hashes, self._affinity):
-                    handle = await try_worker(worker.address)
-                    if handle is not None:
-                        self._view.note_admitted(worker.address, need)
+                    hold = self._view.hold(worker.address, need)
+                    try:
+                        reserved = await try_worker(worker.address)
+                    except BaseException:
+                        self._view.drop(hold)
+                        raise
+                    if reserved is None:
+                        self._view.drop(hold)
+                    else:
+                        self._view.confirm(hold, reserved.at)
                         self._affinity.record(hashes, worker.address)
-                        return Admitted(worker.address, need, handle, time.monotonic() - start)
+                        return Admitted(worker.address, need, reserved.handle, time.monotonic() - start)
                 if not queued:
                     if self.waiting >= self._settings.queue_size:
                         raise self._exhausted("admission queue is full; retry later", "queue_full")

@@ -42,7 +42,7 @@ class EncoderView:
     queued_tokens: int
 
 
-@dataclass
+@dataclass(eq=False)
 class _Pending:
     worker: str
     blocks: int
@@ -83,18 +83,32 @@ class ClusterView:
             self._workers = workers
         if encoders is not None:
             self._encoders = encoders
-        # an admission stays pending until the worker publishes a state read after it
+        # An admission or release stays pending until the worker publishes a state read after it
+        # (both times are the worker's own clock, taken from its replies).
         seen = {m.address: float(m.state.get("snapshot_at", m.published_at)) for m in self._workers}
         self._pending = [p for p in self._pending if p.at > seen.get(p.worker, math.inf)]
         self.changed.set()
         self.changed = asyncio.Event()
 
-    def note_admitted(self, worker: str, blocks: int) -> None:
-        self._pending.append(_Pending(worker, blocks, time.time()))
+    def hold(self, worker: str, blocks: int) -> _Pending:
+        """Count `blocks` as reserved on `worker` while this router asks it (so concurrent requests
+        here do not all pick the same worker); then `confirm` it or `drop` it."""
+        pending = _Pending(worker, blocks, math.inf)
+        self._pending.append(pending)
+        return pending
 
-    def note_released(self, worker: str, blocks: int) -> None:
-        """A request this router placed has ended; its blocks count as free until the next snapshot."""
-        self._pending.append(_Pending(worker, -blocks, time.time()))
+    def confirm(self, pending: _Pending, at: float) -> None:
+        """The worker reserved at `at` (its clock); the hold lasts until a snapshot after that."""
+        pending.at = at or time.time()
+
+    def drop(self, pending: _Pending) -> None:
+        if pending in self._pending:
+            self._pending.remove(pending)
+
+    def note_released(self, worker: str, blocks: int, at: float) -> None:
+        """A request this router placed has ended; its blocks count as free until a snapshot after `at`
+        (the worker's clock when it freed them; 0 when unknown, e.g. a cancelled stream: now is used)."""
+        self._pending.append(_Pending(worker, -blocks, at or time.time()))
 
     def workers(self) -> list[WorkerView]:
         out = []

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 import grpc
 
@@ -24,7 +25,7 @@ from services.common.registry import Registry
 from services.common.rpc.epd.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.telemetry import Telemetry
 from services.router.accounting import Accounted
-from services.router.admission import Admission, AdmissionSettings, Rejection
+from services.router.admission import Admission, AdmissionSettings, Rejection, Reserved
 from services.router.cluster_view import ClusterView
 from services.router.config import RouterConfig
 from services.router.encode_dispatch import EncodeDispatcher
@@ -36,6 +37,13 @@ from services.router.request_prep import RequestPrep
 
 log = logging.getLogger(__name__)
 REFUSALS = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
+
+
+@dataclass
+class StreamEnd:
+    """How a worker stream ended: when the worker freed the request (its clock; 0 if unknown)."""
+
+    released_at: float = 0.0
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -103,7 +111,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if first is grpc.aio.EOF or not first.admitted:
             call.cancel()
             return None
-        return call
+        return Reserved(call, first.state_at)
 
     async def _generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
                         start: float):
@@ -124,16 +132,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         encode = asyncio.create_task(self._dispatcher.encode(
             request_id, list(accounted.refs), accounted.item_data, admitted.worker, deadline))
         encode.add_done_callback(lambda task: task.cancelled() or task.exception() is None or call.cancel())
+        end = StreamEnd()
         try:
-            async for response in self._stream(call, request_id, accounted, sampling, admitted, encode, start):
+            async for response in self._stream(call, request_id, accounted, sampling, admitted, encode, start, end):
                 yield response
         finally:
             call.cancel()
             encode.cancel()
-            self._admission.released(admitted.worker, admitted.blocks)
+            self._admission.released(admitted.worker, admitted.blocks, end.released_at)
 
     async def _stream(self, call, request_id: str, accounted: Accounted, sampling: common_pb2.SamplingParams, admitted,
-                      encode: asyncio.Task, start: float):
+                      encode: asyncio.Task, start: float, end: StreamEnd):
         detok = Detokenizer(self._info.adapter.tokenizer, list(sampling.stop))
         completion, first_token_s, reason, cached, last, prefill_s = 0, 0.0, "length", 0, 0.0, 0.0
         try:
@@ -154,6 +163,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 if delta.stopped or response.finished:
                     reason = "stop" if delta.stopped else response.finish_reason
                     cached = response.cached_tokens
+                    end.released_at = response.state_at if response.finished else 0.0
                     break
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
             if encode.done() and not encode.cancelled() and encode.exception() is not None:

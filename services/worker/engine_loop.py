@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
@@ -30,16 +31,29 @@ class EngineLike(Protocol):
     def kv_state(self) -> Any: ...
 
 
+@dataclass(frozen=True)
+class KVSnapshot:
+    """The engine's KV state and the time (taken before reading it) it was read; routers compare their
+    admissions and releases against `at`."""
+
+    state: Any
+    at: float
+
+
 class EngineLoop:
     def __init__(self, engine: EngineLike, idle_wait_s: float = 0.05) -> None:
         self._engine = engine
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
+        self.finished_at: dict[str, float] = {}  # request id -> when its blocks were freed; popped by the server
         self._idle_wait_s = idle_wait_s
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self.kv_state = engine.kv_state()
-        self.kv_state_at = time.time()  # when kv_state was read; routers compare admissions against it
+        self.snapshot = KVSnapshot(engine.kv_state(), time.time())
+
+    @property
+    def kv_state(self) -> Any:
+        return self.snapshot.state
 
     def start(self) -> None:
         self._thread.start()
@@ -79,25 +93,24 @@ class EngineLoop:
     def add_admitted(self, request: Any, projected_tokens: int, sink: Sink) -> concurrent.futures.Future:
         """Reserve then add in one engine-thread command (atomic with respect to other admissions).
 
-        The future's result is True when admitted (the sink is registered), False when refused;
+        The future's result is the admission time (worker clock; the sink is registered), None when refused;
         a request the engine rejects (ValueError) sets the exception and holds nothing.
         """
         def admit(engine: Any) -> bool:
             if not engine.reserve(request.request_id, projected_tokens):
-                return False
+                return None
             try:
                 engine.add_request(request)
             except Exception:
                 engine.release(request.request_id)
                 raise
             self._sinks[request.request_id] = sink
-            return True
+            return time.time()  # reserved, before the snapshot that follows this command
         return self.submit(admit)
 
     def _snapshot(self) -> None:
         at = time.time()
-        self.kv_state = self._engine.kv_state()
-        self.kv_state_at = at
+        self.snapshot = KVSnapshot(self._engine.kv_state(), at)  # one assignment: readers see a matching pair
 
     def _drain(self, block: bool) -> None:
         try:
@@ -121,6 +134,7 @@ class EngineLoop:
                         sink = self._sinks.get(output.request_id)
                         if output.finished:
                             self._sinks.pop(output.request_id, None)
+                            self.finished_at[output.request_id] = time.time()  # freed, before any later snapshot
                         if sink is not None:
                             sink(output)
                 self._snapshot()

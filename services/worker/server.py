@@ -72,7 +72,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return math.floor(self._loop.kv_state.total_blocks * self._config.overcommit)
 
     async def _admit(self, request: worker_pb2.WorkerRequest, context: grpc.aio.ServicerContext,
-                     outputs: asyncio.Queue) -> None:
+                     outputs: asyncio.Queue) -> float:
+        """Reserve and enqueue the request; returns the admission time (worker clock) or aborts the RPC."""
         projected = len(request.token_ids) + request.sampling.max_tokens
         needed = -(-projected // self._config.block_size)
         if needed > self.capacity_blocks():
@@ -86,16 +87,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 lambda out: event_loop.call_soon_threadsafe(outputs.put_nowait, out)))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if not admitted:
+        if admitted is None:
             state = self._loop.kv_state
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"worker has {state.total_blocks - state.reserved_blocks} unreserved KV blocks, "
                                 f"request needs {needed}")
+        return admitted
 
     async def Generate(self, request: worker_pb2.WorkerRequest, context: grpc.aio.ServicerContext):
         start = time.perf_counter()
         outputs: asyncio.Queue = asyncio.Queue()
-        await self._admit(request, context, outputs)
+        admitted_at = await self._admit(request, context, outputs)
         timeout = request.embedding_timeout_s or self._config.embedding_timeout_s
         fetchers = [asyncio.create_task(self._fetch(m.mm_hash, timeout)) for m in request.media]
         fetch_error = asyncio.create_task(self._first_error(fetchers))
@@ -103,7 +105,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         first_token = True
         generated = 0
         try:
-            yield worker_pb2.WorkerResponse(admitted=True)
+            yield worker_pb2.WorkerResponse(admitted=True, state_at=admitted_at)
             while True:
                 getter = asyncio.create_task(outputs.get())
                 done, _ = await asyncio.wait({getter, fetch_error}, return_when=asyncio.FIRST_COMPLETED)
@@ -122,7 +124,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     self._record_finished(len(request.token_ids), out.cached_tokens, generated)
                 yield worker_pb2.WorkerResponse(
                     token_ids=out.new_token_ids, finished=out.finished, finish_reason=out.finish_reason or "",
-                    cached_tokens=out.cached_tokens, prefill_s=time.perf_counter() - start)
+                    cached_tokens=out.cached_tokens, prefill_s=time.perf_counter() - start,
+                    state_at=self._loop.finished_at.pop(request.request_id, 0.0) if finished else 0.0)
                 if finished:
                     return
         finally:
@@ -131,6 +134,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 task.cancel()
             if not finished:
                 self._loop.abort(request.request_id)
+            self._loop.finished_at.pop(request.request_id, None)
 
     def _record_finished(self, prompt_tokens: int, cached_tokens: int, generated: int) -> None:
         self._metrics.prefix_cache_queries.add(prompt_tokens)
@@ -245,8 +249,9 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
     local_encoder.address = address
 
     def state() -> dict:
-        return {**dataclasses.asdict(loop.kv_state), "capacity_blocks": servicer.capacity_blocks(),
-                "snapshot_at": loop.kv_state_at}
+        snapshot = loop.snapshot
+        return {**dataclasses.asdict(snapshot.state), "capacity_blocks": servicer.capacity_blocks(),
+                "snapshot_at": snapshot.at}
 
     heartbeat = Heartbeat(Registry(config.redis_url, ttl_s=max(1.0, 5 * config.heartbeat_interval_s)),
                           "worker", address, info.identity.revision, state, config.heartbeat_interval_s)

@@ -39,6 +39,7 @@ def _percentile(values: list[float], q: float) -> float:
 def _run(address: str, clients: int, seconds: float, max_tokens: int) -> dict[str, list[float]]:
     admitted: list[float] = []
     refused: list[float] = []
+    slow: list[str] = []
     stop = time.monotonic() + seconds
 
     def loop(index: int) -> None:
@@ -56,6 +57,8 @@ def _run(address: str, clients: int, seconds: float, max_tokens: int) -> dict[st
                     if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                         raise
                     refused.append(time.perf_counter() - start)
+                    if refused[-1] > 0.02:
+                        slow.append(exc.details())
                     hint = dict(exc.trailing_metadata() or ()).get("retry-after-ms", "500")
                     time.sleep(int(hint) / 1000)
 
@@ -64,6 +67,13 @@ def _run(address: str, clients: int, seconds: float, max_tokens: int) -> dict[st
         t.start()
     for t in threads:
         t.join()
+    if slow:
+        kinds: dict[str, int] = {}
+        for text in slow:
+            queued = "within" in text or "after waiting" in text
+            key = "queued" if queued else "at once" if "unreserved" in text else text
+            kinds[key] = kinds.get(key, 0) + 1
+        print(f"refusals over 20 ms with {clients} clients, by kind: {kinds}")
     return {"admitted": admitted, "refused": refused}
 
 

@@ -167,7 +167,10 @@ def test_client_cancel_frees_blocks(cluster, redis_server: RedisServer) -> None:
     with Client(local.address) as client:
         stream = client.stream(request, timeout_s=60)
         next(stream)  # the first chunk: the request holds blocks now
-        assert any(m.state["reserved_blocks"] > 0 for m in registry.members("worker"))
+        seen = time.monotonic() + 2
+        while not any(m.state["reserved_blocks"] > 0 for m in registry.members("worker")):
+            assert time.monotonic() < seen, "the running request's blocks never showed in a heartbeat"
+            time.sleep(0.02)
         stream.cancel()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
