@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from services.common.embedding_cache import EmbeddingCache
 from services.common.media import MediaError, MediaReason
+from services.common.priority import lower_priority
 from services.common.rpc.epd.v1 import encoder_pb2
 from services.common.transport_grpc import Embedding
 from services.encoder.batcher import Batcher, BatchItem
@@ -33,7 +34,6 @@ from services.encoder.inflight_lock import InflightLocks
 from services.encoder.load import Admission, Ticket
 from services.encoder.metrics import EncoderMetrics
 from services.encoder.preprocess_pool import PreprocessSettings
-from services.encoder.priority import lower_priority
 from services.encoder.runner import VisionRunner
 from services.models.base import ModelAdapter
 

@@ -36,8 +36,8 @@ import numpy as np
 from PIL import Image
 
 from services.common.media import ImageHeader, MediaLimits
+from services.common.priority import lower_priority
 from services.encoder.preprocess import decode_image
-from services.encoder.priority import lower_priority
 
 T = TypeVar("T")
 

@@ -25,6 +25,7 @@ from services.common import grpc_server
 from services.common.embedding_cache import CacheSettings, EmbeddingCache
 from services.common.media import MediaError, MediaLimits
 from services.common.model_info import load_model_info
+from services.common.priority import lower_priority
 from services.common.registry import Heartbeat, Registry
 from services.common.rpc.epd.v1 import encoder_pb2, encoder_pb2_grpc
 from services.common.service_main import dtype_of
@@ -36,7 +37,6 @@ from services.encoder.load import Admission, Overloaded
 from services.encoder.metrics import EncoderMetrics
 from services.encoder.pipeline import Pipeline, PipelineParts
 from services.encoder.preprocess_pool import PreprocessPool, PreprocessSettings
-from services.encoder.priority import lower_priority
 from services.encoder.push import Channels, DistPush, Pusher, PushError
 from services.encoder.runner import VisionRunner
 

@@ -132,6 +132,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         encode = asyncio.create_task(self._dispatcher.encode(
             request_id, list(accounted.refs), accounted.item_data, admitted.worker, deadline))
         encode.add_done_callback(lambda task: task.cancelled() or task.exception() is None or call.cancel())
+        encode.add_done_callback(self._record_encode)
         end = StreamEnd()
         try:
             async for response in self._stream(call, request_id, accounted, sampling, admitted, encode, start, end):
@@ -140,6 +141,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             call.cancel()
             encode.cancel()
             self._admission.released(admitted.worker, admitted.blocks, end.released_at)
+
+    def _record_encode(self, task: asyncio.Task) -> None:
+        """Encode time of the items sent to encoders (the task may end after the last token)."""
+        if not task.cancelled() and task.exception() is None and task.result() > 0:
+            self._metrics.encode_seconds.record(task.result())
 
     async def _stream(self, call, request_id: str, accounted: Accounted, sampling: common_pb2.SamplingParams, admitted,
                       encode: asyncio.Task, start: float, end: StreamEnd):
@@ -173,8 +179,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL):
                 raise unavailable(f"worker {admitted.worker} failed: {exc.code().name}: {exc.details()}") from exc
             raise RequestError(exc.code(), f"worker {admitted.worker}: {exc.details()}") from exc
-        if encode.done() and not encode.cancelled() and encode.exception() is None:
-            self._metrics.encode_seconds.record(encode.result())
         usage = generation_pb2.Usage(
             prompt_tokens=accounted.prompt_tokens, text_tokens=accounted.text_tokens,
             image_tokens=accounted.image_tokens, completion_tokens=completion, cached_tokens=cached)

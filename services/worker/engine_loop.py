@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from services.common.priority import lower_priority
+
 log = logging.getLogger(__name__)
 
 Sink = Callable[[Any], None]
@@ -41,7 +43,8 @@ class KVSnapshot:
 
 
 class EngineLoop:
-    def __init__(self, engine: EngineLike, idle_wait_s: float = 0.05) -> None:
+    def __init__(self, engine: EngineLike, idle_wait_s: float = 0.05, nice: int = 0) -> None:
+        self._nice = nice
         self._engine = engine
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
@@ -125,6 +128,7 @@ class EngineLoop:
                 return
 
     def _run(self) -> None:
+        lower_priority(self._nice)  # admission replies and heartbeats must not wait behind the model
         while not self._stopped.is_set():
             try:
                 self._drain(block=not self._engine.has_work())

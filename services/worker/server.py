@@ -233,7 +233,7 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
     cache = EmbeddingCache(CacheSettings(config.redis_url, info.identity.revision,
                                          max_bytes=config.embedding_cache_bytes,
                                          ttl_s=config.embedding_cache_ttl_s))
-    loop = EngineLoop(Engine(info.adapter, model, engine_config(config)))
+    loop = EngineLoop(Engine(info.adapter, model, engine_config(config)), nice=config.compute_nice)
     loop.start()
     metrics = WorkerMetrics.create(telemetry.meter, lambda: loop.kv_state)
     store = EmbeddingStore(cache)

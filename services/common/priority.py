@@ -1,4 +1,4 @@
-"""CPU priority for the encoder's compute, so serving never waits behind it.
+"""CPU priority for compute threads (encoder tower and decode, worker engine), so serving never waits behind them.
 
 Decoding (pool processes), input preparation and the vision tower on CPU can use every core; the
 event loop and gRPC's poller threads then wait for time slices and a refusal that costs
