@@ -18,7 +18,7 @@ class WorkerConfig(ServiceConfig):
     enable_prefix_caching: bool = dataclasses.field(default=True, metadata={"help": "reuse cached KV blocks"})
     heartbeat_interval_s: float = dataclasses.field(default=0.2, metadata={"help": "registry heartbeat"})
     compute_nice: int = dataclasses.field(
-        default=10, metadata={"help": "nice increment for the engine thread (0: off)"})
+        default=0, metadata={"help": "nice increment for the engine thread (0: off)"})
     max_image_pixels: int = dataclasses.field(default=50_000_000, metadata={"help": "pixels per co-located image"})
     embedding_timeout_s: float = dataclasses.field(default=60.0, metadata={"help": "wait per embedding"})
 
