@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 
@@ -24,6 +25,14 @@ from services.router.errors import RequestError, invalid, unavailable
 
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
                        grpc.StatusCode.CANCELLED})
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why one place could not encode: a description, and the retry hint when it was only busy."""
+
+    text: str
+    retry_after_ms: str | None = None
 
 
 class EncodeDispatcher:
@@ -63,39 +72,40 @@ class EncodeDispatcher:
         """Encode on the items' owner (rendezvous hashing: one image meets one encoder cluster-wide),
         failing over to the other encoders, then to the worker itself (co-located encoding)."""
         request = encoder_pb2.EncodeRequest(request_id=request_id, items=items, destination=worker)
-        failures: list[str] = []
-        busy_hint: str | None = None
-        candidates = list(dict.fromkeys([owner, *encoders])) if encoders else []
-        for encoder in candidates:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            request.deadline_s = remaining
-            try:
-                await encoder_pb2_grpc.EncoderStub(self._channel(encoder)).Encode(request, timeout=remaining)
+        failures: list[Failure] = []
+        for encoder in list(dict.fromkeys([owner, *encoders])) if encoders else []:
+            failure = await self._try(encoder, request, deadline)
+            if failure is None:
                 return
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise invalid(exc.details()) from exc
-                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    busy_hint = dict(exc.trailing_metadata() or ()).get("retry-after-ms", busy_hint)
-                    failures.append(f"{encoder}: busy")
-                    continue
-                if exc.code() not in RETRYABLE:
-                    raise RequestError(exc.code(), f"encoder {encoder}: {exc.details()}") from exc
-                failures.append(f"{encoder}: {exc.code().name}")
-        if busy_hint is not None and all(f.endswith("busy") for f in failures):
+            failures.append(failure)
+        hints = [f.retry_after_ms for f in failures]
+        if failures and all(hint is not None for hint in hints):
             # overload is refused, not pushed onto the worker: decode latency stays flat
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "every encoder is busy; retry later",
-                               (("retry-after-ms", str(busy_hint)),))
+                               (("retry-after-ms", str(hints[-1])),))
+        failure = await self._try(worker, request, deadline)
+        if failure is None:
+            return
+        failures.append(failure)
+        summary = "; ".join(f.text for f in failures)
+        raise unavailable(f"no encoder could encode the request's images ({summary})")
+
+    async def _try(self, address: str, request: encoder_pb2.EncodeRequest, deadline: float) -> Failure | None:
+        """One Encode call; None on success, the failure when another place may still succeed.
+        Bad media and non-retryable statuses raise: no other encoder would do better."""
         remaining = deadline - time.monotonic()
-        if remaining > 0:
-            request.deadline_s = remaining
-            try:
-                await encoder_pb2_grpc.EncoderStub(self._channel(worker)).Encode(request, timeout=remaining)
-                return
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise invalid(exc.details()) from exc
-                failures.append(f"{worker} (co-located): {exc.code().name}")
-        raise unavailable(f"no encoder could encode the request's images ({'; '.join(failures) or 'deadline'})")
+        if remaining <= 0:
+            return Failure(f"{address}: deadline")
+        request.deadline_s = remaining
+        try:
+            await encoder_pb2_grpc.EncoderStub(self._channel(address)).Encode(request, timeout=remaining)
+            return None
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise invalid(exc.details()) from exc
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                hint = dict(exc.trailing_metadata() or ()).get("retry-after-ms", "500")
+                return Failure(f"{address}: busy", hint)
+            if exc.code() not in RETRYABLE:
+                raise RequestError(exc.code(), f"encoder {address}: {exc.details()}") from exc
+            return Failure(f"{address}: {exc.code().name}")
