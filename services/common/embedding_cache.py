@@ -113,12 +113,23 @@ class EmbeddingCache:
         self._on_event("hit", "redis")
         return CacheLookup(tensor, "redis")
 
-    def contains(self, mm_hash: str) -> bool:
-        """Whether either tier holds the item now (no data transferred; a Redis error is False)."""
+    def contains(self, mm_hashes: list[str]) -> list[bool]:
+        """Whether either tier holds each item now: one Redis round trip, no data transferred;
+        a Redis error reads as False (a miss)."""
         with self._lock:
-            if mm_hash in self._lru:
-                return True
-        return bool(self._redis_call(lambda r: r.exists(self.key(mm_hash))))
+            found = [h in self._lru for h in mm_hashes]
+        missing = [h for h, hit in zip(mm_hashes, found, strict=True) if not hit]
+        if not missing:
+            return found
+
+        def exists(r: redis.Redis) -> list[int]:
+            pipe = r.pipeline(transaction=False)
+            for mm_hash in missing:
+                pipe.exists(self.key(mm_hash))
+            return pipe.execute()
+
+        answers = iter(self._redis_call(exists) or [0] * len(missing))
+        return [hit or bool(next(answers)) for hit in found]
 
     def put(self, mm_hash: str, tensor: torch.Tensor) -> bool:
         """Store in both tiers; False when the item is over the per-item cap."""

@@ -22,7 +22,7 @@ from typing import Generic, TypeVar
 
 import grpc
 
-from services.router.cluster_view import ClusterView
+from services.router.cluster_view import ClusterView, WorkerView
 from services.router.errors import RequestError, unavailable
 from services.router.placement import PrefixAffinity, rank_workers
 
@@ -76,9 +76,8 @@ class Admission:
         workers = self._view.workers()
         return workers[0].block_size if workers else 16
 
-    def needed_blocks(self, projected_tokens: int) -> int:
-        """Blocks the request needs; raises the immediate refusals of the policy above."""
-        workers = self._view.workers()
+    def needed_blocks(self, projected_tokens: int, workers: list[WorkerView]) -> int:
+        """Blocks the request needs on `workers` (the current view); raises the immediate refusals above."""
         if not workers:
             raise unavailable("no healthy worker is registered")
         need = math.ceil(projected_tokens / workers[0].block_size)
@@ -113,7 +112,7 @@ class Admission:
                         await asyncio.wait_for(changed.wait(), 0.1)
                     continue
                 try:
-                    need = self.needed_blocks(projected_tokens)
+                    need = self.needed_blocks(projected_tokens, workers)
                 except Rejection as exc:
                     if queued and exc.reason == "cluster_full":
                         exc.reason = "cluster_full_after_wait"

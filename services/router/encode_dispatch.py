@@ -54,7 +54,7 @@ class EncodeDispatcher:
         if not refs:
             return 0.0
         start = time.perf_counter()
-        cached = await asyncio.to_thread(lambda: [self._cache.contains(r.mm_hash) for r in refs])
+        cached = await asyncio.to_thread(self._cache.contains, [r.mm_hash for r in refs])
         self._on_lookup(len(refs), sum(cached))
         items = [encoder_pb2.EncodeItem(ref=ref, data=blob)
                  for ref, blob, hit in zip(refs, data, cached, strict=True) if not hit]
