@@ -37,6 +37,10 @@ class Client:
         self._channel = grpc.insecure_channel(address, options=channel_options())
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Connect now (channels connect on their first call otherwise); raises on timeout."""
+        grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+
     def stream(self, request: generation_pb2.GenerateRequest, timeout_s: float = 120.0,
                ) -> Iterator[generation_pb2.GenerateResponse]:
         """The response stream; it is also the call, so `.cancel()` aborts the request."""

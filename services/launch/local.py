@@ -121,7 +121,7 @@ def spawn(role: str, port: int, metrics_port: int, env: dict[str, str], log_dir:
                  "EPD_HOST": "127.0.0.1", "EPD_ADVERTISE_ADDR": f"127.0.0.1:{port}"}
     with open(log_path, "wb") as log:
         popen = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", role], env=child_env,
-                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                 stdout=log, stderr=subprocess.STDOUT, process_group=0)
     return Process(role, f"127.0.0.1:{port}", metrics_port, popen, log_path)
 
 

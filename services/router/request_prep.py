@@ -44,6 +44,20 @@ def validate_sampling(sampling: common_pb2.SamplingParams, config: RouterConfig)
     return out
 
 
+INLINE_TEXT_CHARS = 8192
+"""Text-only requests up to this many characters are prepared on the event loop itself."""
+
+
+def _is_small_text(request: generation_pb2.GenerateRequest) -> bool:
+    chars = 0
+    for message in request.messages:
+        for part in message.content:
+            if part.WhichOneof("part") != "text":
+                return False
+            chars += len(part.text)
+    return chars <= INLINE_TEXT_CHARS
+
+
 def _is_remote(part: generation_pb2.ContentPart) -> bool:
     kind = part.WhichOneof("part")
     if kind not in ("image", "video"):
@@ -92,6 +106,10 @@ class RequestPrep:
     async def prepare(self, request: generation_pb2.GenerateRequest) -> Prepared:
         if self._policy is not None:
             request = await self._fetch_urls(request)
+        if _is_small_text(request):
+            # well under a millisecond of tokenizing: a thread hop (and its GIL handoffs while the loop
+            # streams tokens) would cost more, and refusals must come back fast
+            return self._prepare_sync(request)
         return await asyncio.to_thread(self._prepare_sync, request)
 
     async def _fetch_urls(self, request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateRequest:

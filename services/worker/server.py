@@ -19,6 +19,7 @@ import grpc
 
 from services.common import grpc_server
 from services.common.embedding_cache import CacheSettings, EmbeddingCache
+from services.common.loop_mailbox import LoopMailbox
 from services.common.media import MediaLimits
 from services.common.model_info import load_model_info
 from services.common.registry import Heartbeat, Registry
@@ -32,7 +33,7 @@ from services.worker.config import WorkerConfig
 from services.worker.embedding_store import EmbeddingStore
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions
+from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions, StepOutput
 from services.worker.engine_loop import EngineLoop
 from services.worker.local_encoder import LocalEncoderServicer
 from services.worker.metrics import WorkerMetrics
@@ -58,6 +59,13 @@ def engine_request(request: worker_pb2.WorkerRequest) -> EngineRequest:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class FetchFailed:
+    """On a request's output queue: an embedding it needs did not arrive in time."""
+
+    message: str
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, loop: EngineLoop, store: EmbeddingStore, config: WorkerConfig, metrics: WorkerMetrics,
                  dist: DistReceiver | None = None) -> None:
@@ -66,6 +74,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._config = config
         self._metrics = metrics
         self._dist = dist or DistReceiver.for_service(config.host, config.address)
+        self._outbox: LoopMailbox | None = None
+
+    def _mailbox(self) -> LoopMailbox:
+        """The one mailbox from the engine thread to this event loop (a step's tokens: one wake-up)."""
+        if self._outbox is None:
+            self._outbox = LoopMailbox(asyncio.get_running_loop())
+        return self._outbox
 
     def capacity_blocks(self) -> int:
         """The most blocks one request could ever reserve here."""
@@ -80,11 +95,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"request needs {needed} KV blocks ({projected} tokens); this worker holds "
                                 f"at most {self.capacity_blocks()}")
-        event_loop = asyncio.get_running_loop()
+        mailbox = self._mailbox()
         try:
             admitted = await asyncio.wrap_future(self._loop.add_admitted(
-                engine_request(request), projected,
-                lambda out: event_loop.call_soon_threadsafe(outputs.put_nowait, out)))
+                engine_request(request), projected, lambda out: mailbox.post(outputs.put_nowait, out)))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if admitted is None:
@@ -100,36 +114,37 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         admitted_at = await self._admit(request, context, outputs)
         timeout = request.embedding_timeout_s or self._config.embedding_timeout_s
         fetchers = [asyncio.create_task(self._fetch(m.mm_hash, timeout)) for m in request.media]
-        fetch_error = asyncio.create_task(self._first_error(fetchers))
+        watcher = asyncio.create_task(self._watch_fetches(fetchers, outputs))
         finished = False
         first_token = True
         generated = 0
         try:
             yield worker_pb2.WorkerResponse(admitted=True, state_at=admitted_at)
             while True:
-                getter = asyncio.create_task(outputs.get())
-                done, _ = await asyncio.wait({getter, fetch_error}, return_when=asyncio.FIRST_COMPLETED)
-                if getter not in done:
-                    getter.cancel()
-                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, fetch_error.result())
-                out = getter.result()
-                if out is None:
+                outs = [await outputs.get()]
+                while not outputs.empty() and isinstance(outs[-1], StepOutput) and not outs[-1].finished:
+                    outs.append(outputs.get_nowait())  # the loop fell behind: one message for all of them
+                last = outs[-1]
+                if isinstance(last, FetchFailed):
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, last.message)
+                if last is None:
                     await context.abort(grpc.StatusCode.INTERNAL, "engine step failed; see worker log")
-                finished = out.finished
-                generated += len(out.new_token_ids)
+                token_ids = [t for out in outs for t in out.new_token_ids]
+                finished = last.finished
+                generated += len(token_ids)
                 if first_token:
                     first_token = False
                     self._metrics.prefill_seconds.record(time.perf_counter() - start)
                 if finished:
-                    self._record_finished(len(request.token_ids), out.cached_tokens, generated)
+                    self._record_finished(len(request.token_ids), last.cached_tokens, generated)
                 yield worker_pb2.WorkerResponse(
-                    token_ids=out.new_token_ids, finished=out.finished, finish_reason=out.finish_reason or "",
-                    cached_tokens=out.cached_tokens, prefill_s=time.perf_counter() - start,
+                    token_ids=token_ids, finished=last.finished, finish_reason=last.finish_reason or "",
+                    cached_tokens=last.cached_tokens, prefill_s=time.perf_counter() - start,
                     state_at=self._loop.finished_at.pop(request.request_id, 0.0) if finished else 0.0)
                 if finished:
                     return
         finally:
-            fetch_error.cancel()
+            watcher.cancel()
             for task in fetchers:
                 task.cancel()
             if not finished:
@@ -149,15 +164,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._loop.provide_embedding(mm_hash, tensor)
 
     @staticmethod
-    async def _first_error(tasks: list[asyncio.Task]) -> str:
-        """Resolve with a message when a fetch fails; wait forever if all succeed."""
+    async def _watch_fetches(tasks: list[asyncio.Task], outputs: asyncio.Queue) -> None:
+        """Put a FetchFailed on the request's output queue when an embedding fetch times out."""
         for task in asyncio.as_completed(tasks):
             try:
                 await task
             except TimeoutError as exc:
-                return str(exc)
-        await asyncio.Event().wait()
-        return ""
+                outputs.put_nowait(FetchFailed(str(exc)))
+                return
 
     async def PushEmbeddings(self, request_iterator, context: grpc.aio.ServicerContext) -> worker_pb2.PushAck:
         assembler = ChunkAssembler()

@@ -40,6 +40,11 @@ def test_up_generate_count_and_clean_stop(tiny_model_dir: Path, redis_server: Re
         assert check("127.0.0.1:50051")
         children = psutil.Process(up.pid).children(recursive=True)
         assert len(children) >= 3
+        for service in psutil.Process(up.pid).children():
+            # own process group (stopped as one), same session as `epd up`: Linux schedules sessions as
+            # groups (autogroup), so only then does a worker's compute nice yield to the router
+            assert os.getpgid(service.pid) == service.pid
+            assert os.getsid(service.pid) == os.getsid(up.pid)
         image = tmp_path / "cat.png"
         image.write_bytes(media_factory.png(160, 120))
         generated = _epd("generate", "--image", str(image), "--max-tokens", "8", "What is this?", env=env)
