@@ -6,6 +6,7 @@ Greedy output through the cluster must equal transformers' `model.generate` on t
 from __future__ import annotations
 
 import io
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -254,3 +255,31 @@ def test_every_server_has_health_and_reflection(cluster: Cluster) -> None:
             replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
             names = {s.name for reply in replies for s in reply.list_services_response.service}
         assert {expected_service[process.role], "grpc.health.v1.Health"} <= names, (process.role, names)
+
+
+def test_worker_ends_a_request_whose_embedding_never_comes(cluster: Cluster) -> None:
+    """The worker's own deadline: DEADLINE_EXCEEDED naming the item, its blocks freed, the next request served."""
+    from services.common.rpc.epd.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+    adapter = load_model_info(cluster.model_dir).adapter
+    item = adapter.image_tokens(224, 224)
+    built = adapter.build_prompt([ChatMessage("user", [ChatPart("image"), ChatPart("text", PROMPT)])], [item])
+    never = "ab" * 32  # no encoder is ever asked for this hash
+    request = worker_pb2.WorkerRequest(
+        request_id="never-encoded", token_ids=built.token_ids, embedding_timeout_s=0.5,
+        media=[common_pb2.MediaRef(mm_hash=never, modality="image", offset=built.spans[0].offset,
+                                   num_tokens=item.num_tokens, grid_thw=list(item.grid_thw))],
+        sampling=common_pb2.SamplingParams(max_tokens=4))
+    worker = cluster.local.workers[0]
+    with grpc.insecure_channel(worker.address) as channel:
+        stream = worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=30)
+        with pytest.raises(grpc.RpcError) as info:
+            for response in stream:
+                assert not response.token_ids, "no token can come before the image's embedding"
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert never[:16] in info.value.details()
+    deadline = time.monotonic() + 5  # the abort reaches the engine thread a moment after the status
+    while metric_value(worker.metrics_port, "epd_kv_cache_reserved_blocks") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric_value(worker.metrics_port, "epd_kv_cache_reserved_blocks") == 0
+    assert list(cluster.client.generate(user_request(PROMPT, max_tokens=MAX_TOKENS)).token_ids)
