@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         model = make_tiny_model(Path(tmp) / "model", "qwen2-vl")
         cluster = start_cluster(ClusterSpec(model, workers=2, redis_url=redis.url, free_ports=True,
                                             env={"EPD_KV_CACHE_BYTES": str(64 * BLOCK_BYTES),
-                                                 "EPD_COMPUTE_NICE": "4"}))
+                                                 "EPD_COMPUTE_NICE": "10"}))
         try:
             half = _run(cluster.address, 2, args.seconds, args.max_tokens)
             double = _run(cluster.address, 8, args.seconds, args.max_tokens)
