@@ -17,7 +17,7 @@ from PIL import Image
 
 from services.client import Client, user_request
 from services.common.model_info import load_model_info
-from services.common.rpc.epd.v1 import generation_pb2
+from services.common.rpc.epd.v1 import common_pb2, generation_pb2, worker_pb2, worker_pb2_grpc
 from services.launch.local import ClusterSpec, LocalCluster, start_cluster
 from services.models.base import ChatMessage, ChatPart
 from tests import media_factory
@@ -259,8 +259,6 @@ def test_every_server_has_health_and_reflection(cluster: Cluster) -> None:
 
 def test_worker_ends_a_request_whose_embedding_never_comes(cluster: Cluster) -> None:
     """The worker's own deadline: DEADLINE_EXCEEDED naming the item, its blocks freed, the next request served."""
-    from services.common.rpc.epd.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-
     adapter = load_model_info(cluster.model_dir).adapter
     item = adapter.image_tokens(224, 224)
     built = adapter.build_prompt([ChatMessage("user", [ChatPart("image"), ChatPart("text", PROMPT)])], [item])
