@@ -42,12 +42,16 @@ _FAMILIES: dict[str, _Family] = {
 TINY_FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
 
 
-def make_tiny_model(out_dir: Path, family: str, max_pixels: int | None = None, seed: int = 0) -> Path:
+def make_tiny_model(out_dir: Path, family: str, max_pixels: int | None = None, seed: int = 0,
+                    text_width: int = 64, text_layers: int = 2) -> Path:
     """Write a tiny random model folder for `family` ("qwen2-vl" or "qwen2.5-vl") into `out_dir`.
 
     `max_pixels` caps the image processor's resize (default 1280*28*28, as the released models);
-    `seed` selects the random weights. Returns `out_dir`. Raises ValueError on an unknown family or a
-    `max_pixels` below the processor's minimum.
+    `seed` selects the random weights. `text_width` (hidden size, a multiple of 64; the MLP is twice
+    as wide and there are 4 query and 2 KV heads) and `text_layers` size the language model: the
+    defaults make a step cost little more than Python's overhead; a wider, deeper one makes decoding
+    bound by reading the weights, as it is on a GPU (benchmarks use that). Returns `out_dir`. Raises
+    ValueError on an unknown family or a `max_pixels` below the processor's minimum or a bad size.
     """
     spec = _FAMILIES.get(family)
     if spec is None:
@@ -55,10 +59,13 @@ def make_tiny_model(out_dir: Path, family: str, max_pixels: int | None = None, s
     cap = DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
     if cap < DEFAULT_MIN_PIXELS:
         raise ValueError(f"max_pixels must be at least {DEFAULT_MIN_PIXELS}, got {cap}")
+    if text_width <= 0 or text_width % 64 or text_layers <= 0:
+        raise ValueError(f"text_width must be a positive multiple of 64 and text_layers positive, "
+                         f"got {text_width} and {text_layers}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     info = save_tokenizer(out_dir, _VOCAB_TARGET, _MAX_POSITIONS)
-    config = _model_config(spec, info)
+    config = _model_config(spec, info, text_width, text_layers)
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", _generation_config(info))
     _write_json(out_dir / "preprocessor_config.json", _preprocessor_config(cap))
@@ -66,14 +73,15 @@ def make_tiny_model(out_dir: Path, family: str, max_pixels: int | None = None, s
     return out_dir
 
 
-def _model_config(spec: _Family, info: TinyTokenizerInfo) -> dict[str, Any]:
+def _model_config(spec: _Family, info: TinyTokenizerInfo, width: int, layers: int) -> dict[str, Any]:
     ids = info.special_ids
+    scale = width // 64  # head_dim is 16 x scale
     text = {
         "model_type": f"{spec.model_type}_text",
         "vocab_size": info.vocab_size,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
+        "hidden_size": width,
+        "intermediate_size": 2 * width,
+        "num_hidden_layers": layers,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "hidden_act": "silu",
@@ -82,8 +90,9 @@ def _model_config(spec: _Family, info: TinyTokenizerInfo) -> dict[str, Any]:
         "initializer_range": _INIT_RANGE,
         "use_sliding_window": False,
         "tie_word_embeddings": False,
-        # head_dim 16: the rotary half (8 frequencies) splits over the t, h, w axes.
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+        # head_dim 16 (x scale): the rotary half (8 frequencies) splits over the t, h, w axes.
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+                            "mrope_section": [2 * scale, 3 * scale, 3 * scale]},
         "bos_token_id": ids["<|endoftext|>"],
         "eos_token_id": ids["<|im_end|>"],
         "pad_token_id": ids["<|endoftext|>"],
@@ -93,7 +102,7 @@ def _model_config(spec: _Family, info: TinyTokenizerInfo) -> dict[str, Any]:
         "architectures": [spec.architecture],
         "model_type": spec.model_type,
         "text_config": text,
-        "vision_config": _vision_config(spec.model_type),
+        "vision_config": _vision_config(spec.model_type, width),
         "image_token_id": ids["<|image_pad|>"],
         "video_token_id": ids["<|video_pad|>"],
         "vision_start_token_id": ids["<|vision_start|>"],
@@ -103,7 +112,7 @@ def _model_config(spec: _Family, info: TinyTokenizerInfo) -> dict[str, Any]:
     }
 
 
-def _vision_config(model_type: str) -> dict[str, Any]:
+def _vision_config(model_type: str, text_width: int) -> dict[str, Any]:
     common = {
         "depth": 2,
         "num_heads": 2,
@@ -114,13 +123,13 @@ def _vision_config(model_type: str) -> dict[str, Any]:
         "initializer_range": _INIT_RANGE,
     }
     if model_type == "qwen2_vl":
-        return {**common, "model_type": "qwen2_vl_vision", "embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2}
+        return {**common, "model_type": "qwen2_vl_vision", "embed_dim": 32, "hidden_size": text_width, "mlp_ratio": 2}
     return {
         **common,
         "model_type": "qwen2_5_vl_vision",
         "hidden_size": 32,
         "intermediate_size": 64,
-        "out_hidden_size": 64,
+        "out_hidden_size": text_width,
         "hidden_act": "silu",
         "window_size": 112,
         "fullatt_block_indexes": [1],

@@ -34,6 +34,7 @@ class AdmissionSettings:
     queue_size: int = 64
     max_wait_s: float = 2.0
     retry_after_ms: int = 500
+    affinity_weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class Admission:
                         exc.reason = "cluster_full_after_wait"
                         exc.message += f" (after waiting {time.monotonic() - start:.2f}s)"
                     raise
-                for worker in rank_workers(workers, need, hashes, self._affinity):
+                for worker in rank_workers(workers, need, hashes, self._affinity, self._settings.affinity_weight):
                     hold = self._view.hold(worker.address, need)
                     try:
                         reserved = await try_worker(worker.address)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from services.common.config import ServiceConfig, require_positive
+from services.common.config import ConfigError, ServiceConfig, env_name, require_positive
 
 
 @dataclasses.dataclass
@@ -29,6 +29,8 @@ class RouterConfig(ServiceConfig):
     admission_queue_size: int = dataclasses.field(default=64, metadata={"help": "requests waiting for KV"})
     admission_max_wait_s: float = dataclasses.field(default=2.0, metadata={"help": "longest wait for KV"})
     retry_after_ms: int = dataclasses.field(default=500, metadata={"help": "hint sent with refusals"})
+    prefix_affinity_weight: float = dataclasses.field(
+        default=1.0, metadata={"help": "placement: a cached prompt block's worth in reserved blocks (0 = load only)"})
     request_timeout_s: float = dataclasses.field(default=120.0, metadata={"help": "per-request deadline"})
     encode_timeout_s: float = dataclasses.field(default=60.0, metadata={"help": "encoder call deadline"})
 
@@ -38,3 +40,6 @@ class RouterConfig(ServiceConfig):
                      "default_max_tokens", "request_timeout_s", "encode_timeout_s", "max_tokens_cap",
                      "max_projected_tokens", "retry_after_ms"):
             require_positive(name, getattr(self, name))
+        if self.prefix_affinity_weight < 0:
+            raise ConfigError(f"{env_name('prefix_affinity_weight')} must not be negative, "
+                              f"got {self.prefix_affinity_weight}")

@@ -1,6 +1,10 @@
-"""Ranking workers for a request: prefix-cache affinity first, then unreserved blocks, then queue.
+"""Ranking workers for a request: the prefill a worker's prefix cache saves against the load it already carries.
 
-Affinity is soft state: each router remembers which worker it sent recent prompt prefixes to
+A worker's cost for a request is `affinity_weight x (prompt blocks it would compute) + (blocks reserved there)`,
+lowest first, ties by queue (NVIDIA Dynamo's KV router weighs overlap against active blocks the same way).
+Strict affinity first would pile every request sharing a chat template's first block onto one worker
+while another idles; with this cost a cached prefix wins when it saves more prefill than the extra load
+costs. Affinity is soft state: each router remembers which worker it sent recent prompt prefixes to
 (block hashes from services/common/block_hash.py, the same the workers compute). Losing it
 costs cache hits, never correctness, so router replicas need not share it.
 """
@@ -38,12 +42,12 @@ class PrefixAffinity:
 
 
 def rank_workers(workers: Sequence[WorkerView], needed_blocks: int, hashes: Sequence[bytes],
-                 affinity: PrefixAffinity) -> list[WorkerView]:
-    """Workers that could take `needed_blocks` now, best first."""
+                 affinity: PrefixAffinity, affinity_weight: float = 1.0) -> list[WorkerView]:
+    """Workers that could take `needed_blocks` now, least cost first (`hashes`: the prompt's full blocks)."""
     fitting = [w for w in workers if w.unreserved_blocks >= needed_blocks]
 
-    def score(worker: WorkerView) -> tuple[int, float, int]:
-        free_fraction = worker.unreserved_blocks / max(1, worker.capacity_blocks)
-        return (-affinity.matched_blocks(hashes, worker.address), -free_fraction, worker.waiting)
+    def cost(worker: WorkerView) -> tuple[float, int]:
+        to_compute = len(hashes) - affinity.matched_blocks(hashes, worker.address)
+        return (affinity_weight * to_compute + worker.reserved_blocks, worker.waiting)
 
-    return sorted(fitting, key=score)
+    return sorted(fitting, key=cost)

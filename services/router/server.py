@@ -206,7 +206,7 @@ async def start_router(config: RouterConfig):
     await view.start()
     channels: dict[str, grpc.aio.Channel] = {}
     admission = Admission(view, PrefixAffinity(), AdmissionSettings(
-        config.admission_queue_size, config.admission_max_wait_s, config.retry_after_ms))
+        config.admission_queue_size, config.admission_max_wait_s, config.retry_after_ms, config.prefix_affinity_weight))
     servicer = GenerationServicer(info, config, RequestPrep(info, config, metrics), admission,
                                   EncodeDispatcher(view, cache, lambda a: servicer.channel(a), config.encoder_addrs,
                                                    on_lookup=lambda queries, hits: _count_lookup(metrics, queries,
