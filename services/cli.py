@@ -16,12 +16,10 @@ DEFAULT_TINY = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / 
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from services.common.priority import pin_process
     from services.common.service_main import run_until_signalled, setup_logging
     from services.serve import CONFIGS, start_role
 
     config = config_lib.load(CONFIGS[args.role], args)
-    pin_process(config.cpus)  # before torch and gRPC start their threads
     setup_logging(config.log_level)
     if config.torch_threads > 0:
         import torch

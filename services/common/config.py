@@ -16,8 +16,6 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-from services.common.priority import parse_cpus
-
 ENV_PREFIX = "EPD_"
 T = TypeVar("T")
 
@@ -128,7 +126,6 @@ class ServiceConfig:
     device: str = dataclasses.field(default="cpu", metadata={"help": "cpu or cuda"})
     dtype: str = dataclasses.field(default="float32", metadata={"help": "float32, bfloat16, float16"})
     torch_threads: int = dataclasses.field(default=0, metadata={"help": "intra-op CPU threads, 0 = torch's default"})
-    cpus: str = dataclasses.field(default="", metadata={"help": "CPUs to run on, like taskset -c ('0-3'); '' = all"})
     embedding_cache_bytes: int = dataclasses.field(default=512 << 20, metadata={"help": "in-process LRU"})
     embedding_cache_ttl_s: int = dataclasses.field(default=3600, metadata={"help": "Redis TTL"})
 
@@ -139,11 +136,6 @@ class ServiceConfig:
             raise ConfigError(f"{env_name('dtype')}: unknown dtype {self.dtype!r}")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"{env_name('port')}: {self.port} is not a port")
-        if self.cpus:
-            try:
-                parse_cpus(self.cpus)
-            except ValueError as exc:
-                raise ConfigError(f"{env_name('cpus')}: {exc}") from exc
 
     @property
     def address(self) -> str:

@@ -39,7 +39,6 @@ class ClusterSpec:
     redis_url: str = "redis://127.0.0.1:6379/0"
     free_ports: bool = False  # tests: pick free ports instead of the documented defaults
     env: dict[str, str] = field(default_factory=dict)  # extra EPD_* settings for every service
-    role_env: dict[str, dict[str, str]] = field(default_factory=dict)  # and per role ("router", "encoder", "worker")
     log_dir: Path | None = None
 
 
@@ -141,11 +140,10 @@ def start_cluster(spec: ClusterSpec, timeout_s: float = 180.0) -> LocalCluster:
             **spec.env}
     metrics = iter(range(METRICS_PORT, METRICS_PORT + 1 + spec.encoders + spec.workers))
     encoders = [spawn("encoder", port(ENCODER_PORT + i), free_port() if spec.free_ports else next(metrics),
-                       {**base, **spec.role_env.get("encoder", {})}, log_dir) for i in range(spec.encoders)]
+                       base, log_dir) for i in range(spec.encoders)]
     workers = [spawn("worker", port(WORKER_PORT + i), free_port() if spec.free_ports else next(metrics),
-                      {**base, **spec.role_env.get("worker", {})}, log_dir) for i in range(spec.workers)]
-    router_env = {**base, **spec.role_env.get("router", {}),
-                  "EPD_ENCODER_ADDRS": ",".join(p.address for p in encoders)}
+                      base, log_dir) for i in range(spec.workers)]
+    router_env = {**base, "EPD_ENCODER_ADDRS": ",".join(p.address for p in encoders)}
     router = spawn("router", port(ROUTER_PORT), free_port() if spec.free_ports else next(metrics),
                     router_env, log_dir)
     cluster = LocalCluster(router, encoders, workers, spec.redis_url, redis_process)

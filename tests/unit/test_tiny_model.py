@@ -130,3 +130,26 @@ def test_rejects_bad_arguments(tmp_path: Path) -> None:
         make_tiny_model(tmp_path, "llava-9")
     with pytest.raises(ValueError, match="max_pixels"):
         make_tiny_model(tmp_path, "qwen2-vl", max_pixels=100)
+    with pytest.raises(ValueError, match="text_width"):
+        make_tiny_model(tmp_path, "qwen2-vl", text_width=100)
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl"])
+def test_a_wider_deeper_model_encodes_and_generates(family: str, tmp_path: Path) -> None:
+    """The size options keep the model whole: head_dim, M-RoPE sections and the vision merger follow the width."""
+    import torch
+    from PIL import Image
+
+    from services.models.registry import load_adapter
+
+    folder = make_tiny_model(tmp_path, family, max_pixels=TINY_TEST_MAX_PIXELS, text_width=128, text_layers=3)
+    text = json.loads((folder / "config.json").read_text())["text_config"]
+    assert (text["hidden_size"], text["num_hidden_layers"]) == (128, 3)
+    assert sum(text["rope_parameters"]["mrope_section"]) * 2 == 128 // text["num_attention_heads"]
+    adapter = load_adapter(folder)
+    model = adapter.load_model()
+    pixels = adapter.preprocess(Image.new("RGB", (64, 48), (200, 40, 90)))
+    embedding = adapter.encode(model, [pixels])[0]
+    assert embedding.shape[-1] == 128 and torch.isfinite(embedding).all()
+    out = model.generate(input_ids=torch.tensor([[5, 6, 7, 8]]), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 8)
