@@ -110,7 +110,7 @@ def _run(address: str, clients: int, seconds: float, max_tokens: int) -> _Outcom
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="epd bench admission", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=30.0, help="per load level")
+    parser.add_argument("--seconds", type=float, default=60.0, help="per load level (a p99 needs hundreds of refusals)")
     parser.add_argument("--max-tokens", type=int, default=150)
     parser.add_argument("--text-width", type=int, default=256, help="the model's hidden size (multiple of 64)")
     parser.add_argument("--text-layers", type=int, default=8, help="the model's layers")
