@@ -37,11 +37,6 @@ from services.common.rpc.epd.v1 import generation_pb2_grpc
 PROMPT = " ".join(["describe the bright window near the small table"] * 10)
 
 
-def _block_bytes(text_width: int, text_layers: int) -> int:
-    """KV bytes of one 16-token block of make_tiny_model's model: K and V, 2 KV heads of width / 4, fp32."""
-    return 2 * text_layers * 2 * 16 * (text_width // 4) * 4
-
-
 def _percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -115,8 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text-width", type=int, default=256, help="the model's hidden size (multiple of 64)")
     parser.add_argument("--text-layers", type=int, default=8, help="the model's layers")
     args = parser.parse_args(argv)
+    import torch
+    from transformers import AutoConfig
+
     from services.launch.local import ClusterSpec, free_port, start_cluster
     from services.models.tiny_model import make_tiny_model
+    from services.worker.engine.config import EngineConfig
+    from services.worker.engine.model_runner import KVShape
     from tests.integration.conftest import RedisServer
 
     redis = RedisServer(free_port())
@@ -124,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "model", "qwen2-vl", text_width=args.text_width,
                                 text_layers=args.text_layers)
-        env = {"EPD_KV_CACHE_BYTES": str(64 * _block_bytes(args.text_width, args.text_layers)),
+        shape = KVShape.of_config(AutoConfig.from_pretrained(model))
+        block_bytes = shape.block_bytes(EngineConfig().block_size, torch.float32)  # the workers' defaults
+        env = {"EPD_KV_CACHE_BYTES": str(64 * block_bytes),
                "EPD_COMPUTE_NICE": os.environ.get("EPD_COMPUTE_NICE", "10")}
         cluster = start_cluster(ClusterSpec(model, workers=2, redis_url=redis.url, free_ports=True, env=env))
         try:

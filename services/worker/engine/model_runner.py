@@ -34,7 +34,12 @@ class KVShape:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> KVShape:
-        text = model.config.get_text_config()
+        return cls.of_config(model.config)
+
+    @classmethod
+    def of_config(cls, config: Any) -> KVShape:
+        """From a transformers config (its text config is used), without loading weights."""
+        text = config.get_text_config()
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         return cls(int(text.num_hidden_layers), int(text.num_key_value_heads), int(head_dim))
 
