@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from services.common.config import ConfigError, ServiceConfig, require_positive
+from services.worker.engine.config import ATTENTION_BACKENDS
 
 
 @dataclasses.dataclass
@@ -21,6 +22,8 @@ class WorkerConfig(ServiceConfig):
         default=0, metadata={"help": "nice increment for the engine thread (0: off)"})
     max_image_pixels: int = dataclasses.field(default=50_000_000, metadata={"help": "pixels per co-located image"})
     embedding_timeout_s: float = dataclasses.field(default=60.0, metadata={"help": "wait per embedding"})
+    attention_backend: str = dataclasses.field(
+        default="auto", metadata={"help": "decode attention: auto (CPU kernel where it applies) or sdpa"})
 
     def validate(self) -> None:
         super().validate()
@@ -29,3 +32,6 @@ class WorkerConfig(ServiceConfig):
         for name in ("kv_cache_bytes", "block_size", "max_num_batched_tokens", "max_num_seqs",
                      "embedding_timeout_s"):
             require_positive(name, getattr(self, name))
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"EPD_ATTENTION_BACKEND must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                              f"got {self.attention_backend!r}")

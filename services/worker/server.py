@@ -236,7 +236,7 @@ def engine_config(config: WorkerConfig) -> EngineConfig:
     return EngineConfig(block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes,
                         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
                         overcommit=config.overcommit, enable_prefix_caching=config.enable_prefix_caching,
-                        dtype=config.dtype, device=config.device)
+                        dtype=config.dtype, device=config.device, attention_backend=config.attention_backend)
 
 
 async def start_worker(config: WorkerConfig) -> RunningWorker:

@@ -67,16 +67,23 @@ def workload(loaded: tuple[Any, Any], tiny_model_dir: Path) -> list[tuple[Prompt
     return out
 
 
+@pytest.mark.parametrize("backend", ["auto", "sdpa"], ids=["kernel", "sdpa"])
 @pytest.mark.parametrize("caching", [True, False], ids=["cache", "nocache"])
 @pytest.mark.parametrize("budget", [16, 64, 512])
 def test_concurrent_greedy_equals_generate(
-    loaded: tuple[Any, Any], workload: list[tuple[Prompt, int, list[int]]], budget: int, caching: bool
+    loaded: tuple[Any, Any], workload: list[tuple[Prompt, int, list[int]]], budget: int, caching: bool, backend: str
 ) -> None:
+    """Both decode-attention paths: the compiled CPU kernel (this machine has a C compiler) and SDPA."""
     adapter, model = loaded
     config = EngineConfig(
-        kv_cache_bytes=16 << 20, max_num_batched_tokens=budget, max_num_seqs=16, enable_prefix_caching=caching
+        kv_cache_bytes=16 << 20,
+        max_num_batched_tokens=budget,
+        max_num_seqs=16,
+        enable_prefix_caching=caching,
+        attention_backend=backend,
     )
     engine = Engine(adapter, model, config)
+    assert (engine.runner.decode_kernel is not None) == (backend == "auto")
     results: dict[str, Result] = {}
     late: list[Prompt] = []
     for i, (prompt, max_tokens, _) in enumerate(workload):

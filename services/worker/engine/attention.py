@@ -1,8 +1,9 @@
 """Our attention over paged KV, plugged into transformers through its attention interface.
 
 The language model runs on one flattened row of all scheduled tokens. Each layer's attention call
-writes this step's K/V into the sequences' slots, then attends: single-token queries (decodes) in one
-padded SDPA call over their gathered blocks, multi-token chunks one SDPA call each with a bottom-right
+writes this step's K/V into the sequences' slots, then attends: single-token queries (decodes) through
+the compiled CPU kernel over their blocks in place (``decode_kernel``) or, without it, one padded SDPA
+call per group over their gathered blocks; multi-token chunks one SDPA call each with a bottom-right
 causal mask (the chunk's queries are the last tokens of the context). Row order is decodes first,
 then chunks, so the output is one concatenation.
 """
@@ -16,19 +17,37 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from services.worker.engine.decode_kernel import DecodeKernel
+
 ATTENTION_NAME = "epd_paged"
 CONTEXT_KWARG = "epd_attention"
 
 
 @dataclass
 class KVCache:
-    """Per-layer block tensors ``[kv_heads, num_blocks, block_size, head_dim]`` for keys and values.
+    """Per-layer block tensors: keys ``[kv_heads, num_blocks, head_dim, block_size]``, values
+    ``[kv_heads, num_blocks, block_size, head_dim]``.
 
-    Head-major, so a gather of whole blocks is directly ``[kv_heads, tokens, head_dim]`` for SDPA.
+    Head-major, so a gather of whole value blocks is directly ``[kv_heads, tokens, head_dim]`` for SDPA.
+    Keys are dim-major inside a block: the decode kernel scores a block's tokens as one vector per dim.
     """
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+
+    @staticmethod
+    def allocate(
+        num_layers: int, kv_heads: int, num_blocks: int, block_size: int, head_dim: int, dtype: torch.dtype,
+        device: torch.device,
+    ) -> KVCache:  # fmt: skip
+        """Zeroed tensors for ``num_layers`` layers."""
+        layers = range(num_layers)
+        key_dims = (kv_heads, num_blocks, head_dim, block_size)
+        value_dims = (kv_heads, num_blocks, block_size, head_dim)
+        return KVCache(
+            keys=[torch.zeros(key_dims, dtype=dtype, device=device) for _ in layers],
+            values=[torch.zeros(value_dims, dtype=dtype, device=device) for _ in layers],
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,24 +67,31 @@ class ChunkSpan:
 
 @dataclass(frozen=True, slots=True)
 class DecodeGroup:
-    """Consecutive single-token queries whose contexts are padded to one width of ``blocks`` blocks."""
+    """Consecutive single-token queries whose block tables are padded to one width of ``blocks`` blocks.
+
+    ``mask`` is built only for SDPA (the kernel reads ``lengths``).
+    """
 
     num_rows: int
     block_ids: torch.Tensor  # [rows * blocks], row-major, padded with block 0
-    mask: torch.Tensor  # [rows, 1, 1, blocks * size] additive: 0 inside the context, -inf past it
+    lengths: torch.Tensor  # [rows] context lengths
+    mask: torch.Tensor | None  # [rows, 1, 1, blocks * size] additive: 0 inside the context, -inf past it
 
 
 @dataclass
 class AttentionContext:
     """What one step's attention calls need, built once per step by the model runner (shared by layers).
 
-    Rows are the decode groups' queries in order, then the chunks'.
+    Rows are the decode groups' queries in order, then the chunks'. ``key_slots [T * head_dim]`` are the
+    flat indices in one head of the keys tensor of token t's dim d (row-major ``[T, head_dim]``).
     """
 
     kv: KVCache
     slot_mapping: torch.Tensor
+    key_slots: torch.Tensor
     decodes: list[DecodeGroup]
     chunks: list[ChunkSpan]
+    decode_kernel: DecodeKernel | None = None
 
 
 def paged_attention(
@@ -93,35 +119,52 @@ def paged_attention(
     layer = module.layer_idx
     k_cache, v_cache = ctx.kv.keys[layer], ctx.kv.values[layer]
     key, value = key[0], value[0]  # [Hkv, T, D]
-    _write_slots(k_cache, key, ctx.slot_mapping)
-    _write_slots(v_cache, value, ctx.slot_mapping)
+    _write_keys(k_cache, key, ctx.key_slots)
+    _write_values(v_cache, value, ctx.slot_mapping)
     q = query[0]  # [H, T, D]
+    if scaling is None:
+        scaling = q.shape[-1] ** -0.5
     parts = []
     row = 0
     for group in ctx.decodes:
-        parts.append(_decode_attention(q[:, row : row + group.num_rows], k_cache, v_cache, group, scaling))
+        rows_q = q[:, row : row + group.num_rows]
+        if ctx.decode_kernel is not None:
+            parts.append(ctx.decode_kernel(rows_q, k_cache, v_cache, group.block_ids, group.lengths, scaling))
+        else:
+            parts.append(_decode_attention(rows_q, k_cache, v_cache, group, scaling))
         row += group.num_rows
     for chunk in ctx.chunks:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
         if chunk.block_ids is None:  # nothing cached before it: this step's K/V is the context
             keys, values = key[:, rows], value[:, rows]
         else:
-            keys = _gather(k_cache, chunk.block_ids)[:, : chunk.context_len]
-            values = _gather(v_cache, chunk.block_ids)[:, : chunk.context_len]
+            keys = _gather_keys(k_cache, chunk.block_ids)[:, : chunk.context_len]
+            values = _gather_values(v_cache, chunk.block_ids)[:, : chunk.context_len]
         parts.append(_chunk_attention(q[:, rows], keys, values, chunk.mask, scaling))
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     return out.unsqueeze(0), None
 
 
-def _write_slots(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+def _write_values(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
     """Store ``rows [Hkv, T, D]`` at flat slot indices ``slots [T]`` of ``cache [Hkv, blocks, size, D]``."""
     heads, _, _, head_dim = cache.shape
     cache.view(heads, -1, head_dim).index_copy_(1, slots, rows.to(cache.dtype))
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+def _write_keys(cache: torch.Tensor, rows: torch.Tensor, key_slots: torch.Tensor) -> None:
+    """Store ``rows [Hkv, T, D]`` in ``cache [Hkv, blocks, D, size]`` at ``key_slots [T * D]``."""
+    heads = cache.shape[0]
+    cache.view(heads, -1).index_copy_(1, key_slots, rows.reshape(heads, -1).to(cache.dtype))
+
+
+def _gather_values(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """Whole blocks ``block_ids [n]`` of ``cache [Hkv, blocks, size, D]`` as ``[Hkv, n * size, D]``."""
     return cache.index_select(1, block_ids).flatten(1, 2)
+
+
+def _gather_keys(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Whole blocks ``block_ids [n]`` of ``cache [Hkv, blocks, D, size]`` as ``[Hkv, n * size, D]``."""
+    return cache.index_select(1, block_ids).transpose(2, 3).flatten(1, 2)
 
 
 def _decode_attention(
@@ -133,8 +176,8 @@ def _decode_attention(
     """
     batch, heads, head_dim = group.num_rows, q.shape[0], q.shape[2]
     kv_heads = k_cache.shape[0]
-    keys = _gather(k_cache, group.block_ids).view(kv_heads, batch, -1, head_dim).transpose(0, 1)
-    values = _gather(v_cache, group.block_ids).view(kv_heads, batch, -1, head_dim).transpose(0, 1)
+    keys = _gather_keys(k_cache, group.block_ids).view(kv_heads, batch, -1, head_dim).transpose(0, 1)
+    values = _gather_values(v_cache, group.block_ids).view(kv_heads, batch, -1, head_dim).transpose(0, 1)
     query = q.transpose(0, 1).reshape(batch, kv_heads, heads // kv_heads, head_dim)
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=group.mask, scale=scaling)
     return out.reshape(batch, heads, head_dim)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ATTENTION_BACKENDS = ("auto", "sdpa")
 
 
 @dataclass
@@ -22,6 +23,10 @@ class EngineConfig:
     prefill tokens (tokens of chunks longer than one), so a step with many decoding sequences carries a
     small prefill chunk and one with few a large one; set it near (cost of a decode) / (cost of a prefill
     token), and a step costs about a full decode step at most.
+
+    ``attention_backend``: ``"auto"`` runs decode attention through the compiled CPU kernel where it applies
+    (float32 on the CPU, 16-token blocks, head dims a multiple of 16, a C compiler present) and SDPA
+    elsewhere; ``"sdpa"`` uses SDPA everywhere.
     """
 
     block_size: int = 16
@@ -36,6 +41,7 @@ class EngineConfig:
     prefill_tokens_per_free_seq: int = 0
     embedding_buffer_bytes: int = 256 * 1024 * 1024
     seed: int = 0
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs"):
@@ -49,6 +55,10 @@ class EngineConfig:
             raise ValueError("EngineConfig.embedding_buffer_bytes must be >= 0")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"EngineConfig.max_model_len must be positive, got {self.max_model_len}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"EngineConfig.attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
         if isinstance(self.dtype, str) and self.dtype not in _DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
 

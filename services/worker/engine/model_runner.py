@@ -18,10 +18,11 @@ from services.worker.engine.attention import (
     install_paged_attention,
 )
 from services.worker.engine.config import EngineConfig
+from services.worker.engine.decode_kernel import DecodeKernel, load_decode_kernel
 from services.worker.engine.embeddings import EmbeddingPool
 from services.worker.engine.scheduler import ScheduledChunk
 from services.worker.engine.sequence import Sequence
-from services.worker.engine.step_input import StepInput, build_step_input
+from services.worker.engine.step_input import GROUP_COST_BLOCKS, StepInput, build_step_input
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,9 @@ class ModelRunner:
 
     Invariant: ``kv`` holds ``num_blocks`` blocks per layer and never grows; a step writes K/V only to
     the slots of the blocks the scheduler allocated to its chunks.
+
+    Decodes go through the compiled CPU kernel when ``config.attention_backend`` is ``"auto"`` and it
+    applies (float32 on the CPU, 16-token blocks, head dims of 16) and builds; else through SDPA.
     """
 
     def __init__(self, adapter: Any, model: torch.nn.Module, config: EngineConfig) -> None:
@@ -79,12 +83,18 @@ class ModelRunner:
                 f"kv_cache_bytes={config.kv_cache_bytes} holds no block of "
                 f"{self.shape.block_bytes(config.block_size, dtype)} bytes"
             )
-        dims = (self.shape.kv_heads, self.num_blocks, config.block_size, self.shape.head_dim)
-        layers = range(self.shape.num_layers)
-        self.kv = KVCache(
-            keys=[torch.zeros(dims, dtype=dtype, device=self.device) for _ in layers],
-            values=[torch.zeros(dims, dtype=dtype, device=self.device) for _ in layers],
+        shape = self.shape
+        self.kv = KVCache.allocate(
+            shape.num_layers, shape.kv_heads, self.num_blocks, config.block_size, shape.head_dim, dtype, self.device
         )
+        self.decode_kernel: DecodeKernel | None = None
+        if config.attention_backend == "auto" and DecodeKernel.applies(
+            config.block_size, shape.head_dim, dtype, self.device
+        ):
+            self.decode_kernel = load_decode_kernel()
+        # the kernel reads only each row's own blocks, so padding tables to one width costs nothing
+        self._decode_group_cost = GROUP_COST_BLOCKS if self.decode_kernel is None else _ONE_GROUP
+        self._dim_offsets = torch.arange(shape.head_dim, device=self.device) * config.block_size
         self._arange = torch.arange(1024, device=self.device)
         self._zero = torch.zeros((), dtype=dtype, device=self.device)
         self._minus_inf = torch.full((), float("-inf"), dtype=dtype, device=self.device)
@@ -103,7 +113,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], embeddings: EmbeddingPool) -> RunOutput:
         """Compute ``chunks`` in one forward; logits only at the last token of the chunks that sample."""
-        step = build_step_input(chunks, self.block_size, embeddings)
+        step = build_step_input(chunks, self.block_size, embeddings, self._decode_group_cost)
         packed = torch.frombuffer(array("q", step.ints), dtype=torch.long).to(self.device)  # 3x torch.tensor's speed
         n, num_sampled = step.num_tokens, len(step.sampled)
         ctx = self._attention_context(step, packed)
@@ -125,8 +135,10 @@ class ModelRunner:
         for g in step.decodes:
             block_ids = packed[g.table_at : g.table_at + g.num_rows * g.width]
             lengths = packed[g.lengths_at : g.lengths_at + g.num_rows]
-            inside = span[: g.width * size][None, :] < lengths[:, None]
-            groups.append(DecodeGroup(g.num_rows, block_ids, self._additive(inside)[:, None, None, :]))
+            mask = None
+            if self.decode_kernel is None:
+                mask = self._additive(span[: g.width * size][None, :] < lengths[:, None])[:, None, None, :]
+            groups.append(DecodeGroup(g.num_rows, block_ids, lengths, mask))
         spans = []
         for c in step.chunks:
             if c.num_blocks == 0:
@@ -136,7 +148,9 @@ class ModelRunner:
             first = c.context_len - c.query_len  # the chunk's first token's index in its context
             inside = span[: c.context_len][None, :] <= span[first : c.context_len][:, None]
             spans.append(ChunkSpan(c.query_start, c.query_len, c.context_len, block_ids, self._additive(inside)))
-        return AttentionContext(self.kv, packed[n : 2 * n], groups, spans)
+        slots = packed[n : 2 * n]
+        key_slots = (slots // size * (self.shape.head_dim * size) + slots % size)[:, None] + self._dim_offsets
+        return AttentionContext(self.kv, slots, key_slots.view(-1), groups, spans, self.decode_kernel)
 
     def _additive(self, inside: torch.Tensor) -> torch.Tensor:
         """0 where ``inside``, -inf elsewhere: built once per step (SDPA converts a bool mask per call)."""
@@ -148,6 +162,9 @@ class ModelRunner:
             self._arange = torch.arange(max(length, 2 * self._arange.shape[0]), device=self.device)
         return self._arange
 
+
+_ONE_GROUP = 1 << 40
+"""A group cost no padding outweighs: all decodes in one group."""
 
 _NO_MASK = {"full_attention": None}
 """Given as ``attention_mask``: transformers builds no mask (causality is ``paged_attention``'s job)."""

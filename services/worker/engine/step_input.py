@@ -66,8 +66,11 @@ class StepInput:
     chunks: list[ChunkRows] = field(default_factory=list)
 
 
-def build_step_input(chunks: list[ScheduledChunk], block_size: int, embeddings: EmbeddingPool) -> StepInput:
-    """Lay out one step's ``chunks`` (each sequence's ``positions`` must be set)."""
+def build_step_input(
+    chunks: list[ScheduledChunk], block_size: int, embeddings: EmbeddingPool, decode_group_cost: int = GROUP_COST_BLOCKS
+) -> StepInput:
+    """Lay out one step's ``chunks`` (each sequence's ``positions`` must be set); decodes are cut into padded
+    groups by ``split_points`` with ``decode_group_cost``."""
     decodes = sorted((c for c in chunks if c.num_tokens == 1), key=_start)
     prefills = [c for c in chunks if c.num_tokens > 1]
     ids: list[int] = []
@@ -103,17 +106,17 @@ def build_step_input(chunks: list[ScheduledChunk], block_size: int, embeddings: 
             sample_rows.append(len(ids) - 1)
             sampled.append(chunk)
     step = StepInput(len(ids), sampled, placed, ids + slots + rows[0] + rows[1] + rows[2] + sample_rows)
-    _add_decode_groups(step, decodes, size)
+    _add_decode_groups(step, decodes, size, decode_group_cost)
     _add_chunks(step, prefills, len(decodes), size)
     return step
 
 
-def _add_decode_groups(step: StepInput, decodes: list[ScheduledChunk], size: int) -> None:
+def _add_decode_groups(step: StepInput, decodes: list[ScheduledChunk], size: int, group_cost: int) -> None:
     ints = step.ints
     lengths = [c.start + 1 for c in decodes]  # ascending
     widths = [-(-n // size) for n in lengths]
     lo = 0
-    for hi in split_points(widths):
+    for hi in split_points(widths, group_cost):
         width, table_at = widths[hi - 1], len(ints)
         for chunk in decodes[lo:hi]:
             table = chunk.seq.block_table

@@ -1,0 +1,142 @@
+"""The CPU decode-attention kernel (``decode_kernel.c``): built on this machine, loaded with ctypes.
+
+Single-token queries attend to their KV blocks in place: no gathered copy of the context, no padding
+computed, one call per decode group and layer. On the tiny test model it is about 4x faster than
+gathering blocks and calling SDPA, on 128-dim heads about 5x (docs/engine.md). Used when the engine runs
+float32 on the CPU with 16-token blocks and a C compiler is found; otherwise attention stays on SDPA.
+
+The shared object is compiled once per source, compiler and CPU (``-march=native``) into a cache
+folder (``$XDG_CACHE_HOME/epd/kernels``, else ``~/.cache``, else the temp folder) and reused; several
+processes starting together each write their own file and rename it into place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BLOCK_SIZE = 16
+"""Tokens per KV block the kernel is built for (the engine's default)."""
+
+SOURCE = Path(__file__).with_suffix(".c")
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
+
+
+class DecodeKernel:
+    """``kernel(q, keys, values, tables, lengths, scale)``: paged attention of single-token queries.
+
+    Shapes: ``q [heads, batch, head_dim]`` (last dim contiguous), ``keys [kv_heads, blocks, head_dim, 16]``,
+    ``values [kv_heads, blocks, 16, head_dim]``, ``tables [batch * width]`` int64 block ids row-major,
+    ``lengths [batch]`` int64 context lengths; returns ``[batch, heads, head_dim]``.
+    """
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        fn = library.epd_decode_attention
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+        self._scratch = torch.empty(0)
+
+    @staticmethod
+    def applies(block_size: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether the kernel handles this engine's KV: float32 on the CPU, 16-token blocks, dims of 16."""
+        return device.type == "cpu" and dtype == torch.float32 and block_size == BLOCK_SIZE and head_dim % 16 == 0
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        tables: torch.Tensor,
+        lengths: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        heads, batch, head_dim = q.shape
+        kv_heads, num_blocks = keys.shape[0], keys.shape[1]
+        width = tables.numel() // batch
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        group = heads // kv_heads
+        need = group * width * BLOCK_SIZE
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(max(need, 2 * self._scratch.numel()))
+        out = torch.empty(batch, heads, head_dim)
+        rc = self._fn(
+            q.data_ptr(), q.stride(0), q.stride(1), keys.data_ptr(), values.data_ptr(), tables.data_ptr(),
+            width, lengths.data_ptr(), batch, heads, kv_heads, num_blocks, head_dim, scale, out.data_ptr(),
+            self._scratch.data_ptr(),
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"decode kernel: unsupported shapes (heads {heads}, kv heads {kv_heads}, dim {head_dim})")
+        return out
+
+
+@functools.cache
+def load_decode_kernel() -> DecodeKernel | None:
+    """The kernel, compiled on first use (cached on disk), or None when no C compiler can build it."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: decode attention uses SDPA over gathered blocks")
+        return None
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), _compiler_id(compiler), _cpu_id()]))
+    folder = _cache_folder()
+    if folder is None:
+        log.warning("no writable cache folder for the decode kernel: using SDPA")
+        return None
+    target = folder / f"decode_kernel-{key.hexdigest()[:20]}.so"
+    if not target.exists():
+        partial = folder / f".{target.name}.{os.getpid()}"
+        result = subprocess.run(
+            [compiler, *FLAGS, "-o", str(partial), str(SOURCE)], capture_output=True, text=True, check=False
+        )
+        if result.returncode != 0:
+            log.warning("decode kernel did not compile (%s): using SDPA\n%s", compiler, result.stderr[-2000:])
+            partial.unlink(missing_ok=True)
+            return None
+        os.replace(partial, target)
+    return DecodeKernel(ctypes.CDLL(str(target)))
+
+
+def _compiler_id(compiler: str) -> bytes:
+    result = subprocess.run([compiler, "--version"], capture_output=True, check=False)
+    return result.stdout.split(b"\n", 1)[0]
+
+
+def _cpu_id() -> bytes:
+    """What ``-march=native`` depends on: the machine and its CPU feature flags."""
+    flags = b""
+    try:
+        for line in Path("/proc/cpuinfo").read_bytes().splitlines():
+            if line.startswith((b"flags", b"Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    return platform.machine().encode() + b"\0" + flags
+
+
+def _cache_folder() -> Path | None:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    for root in (Path(base), Path(tempfile.gettempdir())):
+        folder = root / "epd" / "kernels"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(folder, os.W_OK):
+            return folder
+    return None

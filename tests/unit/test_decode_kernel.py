@@ -1,0 +1,80 @@
+"""The compiled CPU decode-attention kernel against SDPA over the same blocks gathered, and where it applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.worker.engine.decode_kernel import BLOCK_SIZE, DecodeKernel, load_decode_kernel
+
+
+@pytest.fixture(scope="module")
+def kernel() -> DecodeKernel:
+    loaded = load_decode_kernel()
+    assert loaded is not None, "the decode kernel must build here (a C compiler is part of this machine)"
+    return loaded
+
+
+def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: list[list[int]], lengths: list[int]):
+    """Per row: its blocks gathered in order, cut to its length, one SDPA call; ``[batch, heads, dim]``."""
+    heads, _, dim = q.shape
+    kv_heads = keys.shape[0]
+    out = []
+    for b, (table, length) in enumerate(zip(tables, lengths, strict=True)):
+        ids = torch.tensor(table)
+        k = keys.index_select(1, ids).transpose(2, 3).reshape(kv_heads, -1, dim)[:, :length]
+        v = values.index_select(1, ids).reshape(kv_heads, -1, dim)[:, :length]
+        row = F.scaled_dot_product_attention(q[:, b : b + 1][None], k[None], v[None], enable_gqa=True)
+        out.append(row[0, :, 0])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 16), (2, 2, 32), (12, 2, 128), (7, 1, 64)], ids=str)
+def test_matches_sdpa_over_gathered_blocks(kernel: DecodeKernel, heads: int, kv_heads: int, dim: int) -> None:
+    gen = torch.Generator().manual_seed(heads * 1000 + dim)
+    num_blocks = 97
+    keys = torch.randn(kv_heads, num_blocks, dim, BLOCK_SIZE, generator=gen)
+    values = torch.randn(kv_heads, num_blocks, BLOCK_SIZE, dim, generator=gen)
+    lengths = [1, 15, 16, 17, 32, 33, 100, 250, 7]  # block edges, a single token, several blocks
+    width = max(-(-n // BLOCK_SIZE) for n in lengths)
+    order = torch.randperm(num_blocks, generator=gen).tolist()  # scattered blocks, no block shared
+    tables, used = [], 0
+    for n in lengths:
+        need = -(-n // BLOCK_SIZE)
+        tables.append(order[used : used + need])
+        used += need
+    flat = torch.tensor([t + [0] * (width - len(t)) for t in tables]).view(-1)  # padded with block 0
+    # the queries are rows of a wider step, as in a flattened batch: strided, not contiguous
+    step = torch.randn(heads, len(lengths) + 3, dim, generator=gen) * 3
+    q = step[:, 2 : 2 + len(lengths)]
+    got = kernel(q, keys, values, flat, torch.tensor(lengths), dim**-0.5)
+    expected = reference(q, keys, values, tables, lengths)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
+
+
+def test_large_scores_do_not_overflow(kernel: DecodeKernel) -> None:
+    """Softmax subtracts the row's maximum: scores in the thousands stay finite and exact."""
+    keys = torch.zeros(1, 4, 16, BLOCK_SIZE)
+    keys[0, 1, :, 3] = 50.0  # one token far above the rest
+    values = torch.arange(4 * BLOCK_SIZE * 16, dtype=torch.float32).view(1, 4, BLOCK_SIZE, 16)
+    q = torch.full((2, 1, 16), 10.0)
+    got = kernel(q, keys, values, torch.tensor([0, 1, 2]), torch.tensor([40]), 1.0)
+    torch.testing.assert_close(got[0, 0], values[0, 1, 3])
+    assert torch.isfinite(got).all()
+
+
+def test_unsupported_heads_raise(kernel: DecodeKernel) -> None:
+    keys = torch.zeros(3, 2, 16, BLOCK_SIZE)
+    values = torch.zeros(3, 2, BLOCK_SIZE, 16)
+    with pytest.raises(ValueError, match="unsupported shapes"):
+        kernel(torch.zeros(4, 1, 16), keys, values, torch.tensor([0]), torch.tensor([1]), 1.0)
+
+
+def test_applies_only_to_float32_cpu_16_token_blocks() -> None:
+    cpu = torch.device("cpu")
+    assert DecodeKernel.applies(16, 128, torch.float32, cpu)
+    assert not DecodeKernel.applies(32, 128, torch.float32, cpu)
+    assert not DecodeKernel.applies(16, 8, torch.float32, cpu)
+    assert not DecodeKernel.applies(16, 128, torch.bfloat16, cpu)
+    assert not DecodeKernel.applies(16, 128, torch.float32, torch.device("cuda"))
