@@ -36,8 +36,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--model", type=Path, help="model folder (default: a tiny random Qwen2-VL built offline)")
     parser.add_argument("--quick", action="store_true", help="a few images and small tensors, for a smoke run")
     parser.add_argument("--images", type=int, default=96)
-    parser.add_argument("--budgets", default="512,2048,16384",
-                        help="encoder-token budgets to batch under (the last is the reported default)")
+    parser.add_argument(
+        "--budgets",
+        default="512,2048,16384",
+        help="encoder-token budgets to batch under (the last is the reported default)",
+    )
     parser.add_argument("--sizes-mb", default="1,4,20", help="embedding sizes to transfer, MB")
     parser.add_argument("--repeats", type=int, default=10, help="transfers per size and path")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
@@ -178,12 +181,18 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = make_tiny_model(Path(tmp) / "tiny", "qwen2-vl")
         budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
         batching = bench_batching(model_dir, args.images, budgets)
-        print(f"vision tower, {batching['images']} images of {batching['mean_image_tokens']:.0f} tokens on average: "
-              f"one per call {batching['images_per_s_single']:.1f} img/s", flush=True)
+        print(
+            f"vision tower, {batching['images']} images of {batching['mean_image_tokens']:.0f} tokens on average: "
+            f"one per call {batching['images_per_s_single']:.1f} img/s",
+            flush=True,
+        )
         for budget in budgets:
             rate = batching[f"images_per_s_budget_{budget}"]
-            print(f"  batched under {budget} tokens: {rate:.1f} img/s (x{rate / batching['images_per_s_single']:.2f}, "
-                  f"{batching[f'mean_batch_items_budget_{budget}']:.1f} images per call)", flush=True)
+            print(
+                f"  batched under {budget} tokens: {rate:.1f} img/s (x{rate / batching['images_per_s_single']:.2f}, "
+                f"{batching[f'mean_batch_items_budget_{budget}']:.1f} images per call)",
+                flush=True,
+            )
         with start_redis() as redis_url:
             transfers = bench_transfers(sizes, args.repeats, redis_url)
     for size in sizes:

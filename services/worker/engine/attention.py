@@ -25,29 +25,40 @@ CONTEXT_KWARG = "epd_attention"
 
 @dataclass
 class KVCache:
-    """Per-layer block tensors: keys ``[kv_heads, num_blocks, head_dim, block_size]``, values
-    ``[kv_heads, num_blocks, block_size, head_dim]``.
+    """Per-layer block tensors: values ``[kv_heads, num_blocks, block_size, head_dim]``, keys the same or,
+    with ``keys_dim_major``, ``[kv_heads, num_blocks, head_dim, block_size]``.
 
-    Head-major, so a gather of whole value blocks is directly ``[kv_heads, tokens, head_dim]`` for SDPA.
-    Keys are dim-major inside a block: the decode kernel scores a block's tokens as one vector per dim.
+    Head-major, so a gather of whole blocks is directly ``[kv_heads, tokens, head_dim]`` for SDPA. Keys are
+    dim-major inside a block for the decode kernel, which scores a block's tokens as one vector per dim
+    (SDPA then needs a transposed copy of gathered keys, so only the kernel's engines store them so).
     """
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    keys_dim_major: bool = False
 
     @staticmethod
     def allocate(
         num_layers: int, kv_heads: int, num_blocks: int, block_size: int, head_dim: int, dtype: torch.dtype,
-        device: torch.device,
+        device: torch.device, keys_dim_major: bool,
     ) -> KVCache:  # fmt: skip
         """Zeroed tensors for ``num_layers`` layers."""
         layers = range(num_layers)
-        key_dims = (kv_heads, num_blocks, head_dim, block_size)
         value_dims = (kv_heads, num_blocks, block_size, head_dim)
+        key_dims = (kv_heads, num_blocks, head_dim, block_size) if keys_dim_major else value_dims
         return KVCache(
             keys=[torch.zeros(key_dims, dtype=dtype, device=device) for _ in layers],
             values=[torch.zeros(value_dims, dtype=dtype, device=device) for _ in layers],
+            keys_dim_major=keys_dim_major,
         )
+
+    def key_slots(self, slots: torch.Tensor, block_size: int, head_dim: int) -> torch.Tensor | None:
+        """With dim-major keys, the flat indices in one head's keys of token slots ``slots [T]``, dim by dim
+        (``[T * D]``); None when keys are stored like values (their slots are ``slots``)."""
+        if not self.keys_dim_major:
+            return None
+        base = slots // block_size * (head_dim * block_size) + slots % block_size
+        return (base[:, None] + torch.arange(head_dim, device=slots.device) * block_size).view(-1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,13 +93,13 @@ class DecodeGroup:
 class AttentionContext:
     """What one step's attention calls need, built once per step by the model runner (shared by layers).
 
-    Rows are the decode groups' queries in order, then the chunks'. ``key_slots [T * head_dim]`` are the
-    flat indices in one head of the keys tensor of token t's dim d (row-major ``[T, head_dim]``).
+    Rows are the decode groups' queries in order, then the chunks'. ``key_slots`` is
+    ``kv.key_slots(slot_mapping, ...)``. The decode kernel needs ``kv.keys_dim_major``.
     """
 
     kv: KVCache
     slot_mapping: torch.Tensor
-    key_slots: torch.Tensor
+    key_slots: torch.Tensor | None
     decodes: list[DecodeGroup]
     chunks: list[ChunkSpan]
     decode_kernel: DecodeKernel | None = None
@@ -119,8 +130,11 @@ def paged_attention(
     layer = module.layer_idx
     k_cache, v_cache = ctx.kv.keys[layer], ctx.kv.values[layer]
     key, value = key[0], value[0]  # [Hkv, T, D]
-    _write_keys(k_cache, key, ctx.key_slots)
-    _write_values(v_cache, value, ctx.slot_mapping)
+    if ctx.key_slots is None:
+        _write_slots(k_cache, key, ctx.slot_mapping)
+    else:
+        _write_dim_major(k_cache, key, ctx.key_slots)
+    _write_slots(v_cache, value, ctx.slot_mapping)
     q = query[0]  # [H, T, D]
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
@@ -138,33 +152,35 @@ def paged_attention(
         if chunk.block_ids is None:  # nothing cached before it: this step's K/V is the context
             keys, values = key[:, rows], value[:, rows]
         else:
-            keys = _gather_keys(k_cache, chunk.block_ids)[:, : chunk.context_len]
-            values = _gather_values(v_cache, chunk.block_ids)[:, : chunk.context_len]
+            keys = _gather_keys(k_cache, chunk.block_ids, ctx.kv.keys_dim_major)[:, : chunk.context_len]
+            values = _gather(v_cache, chunk.block_ids)[:, : chunk.context_len]
         parts.append(_chunk_attention(q[:, rows], keys, values, chunk.mask, scaling))
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     return out.unsqueeze(0), None
 
 
-def _write_values(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+def _write_slots(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
     """Store ``rows [Hkv, T, D]`` at flat slot indices ``slots [T]`` of ``cache [Hkv, blocks, size, D]``."""
     heads, _, _, head_dim = cache.shape
     cache.view(heads, -1, head_dim).index_copy_(1, slots, rows.to(cache.dtype))
 
 
-def _write_keys(cache: torch.Tensor, rows: torch.Tensor, key_slots: torch.Tensor) -> None:
+def _write_dim_major(cache: torch.Tensor, rows: torch.Tensor, key_slots: torch.Tensor) -> None:
     """Store ``rows [Hkv, T, D]`` in ``cache [Hkv, blocks, D, size]`` at ``key_slots [T * D]``."""
     heads = cache.shape[0]
     cache.view(heads, -1).index_copy_(1, key_slots, rows.reshape(heads, -1).to(cache.dtype))
 
 
-def _gather_values(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """Whole blocks ``block_ids [n]`` of ``cache [Hkv, blocks, size, D]`` as ``[Hkv, n * size, D]``."""
     return cache.index_select(1, block_ids).flatten(1, 2)
 
 
-def _gather_keys(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Whole blocks ``block_ids [n]`` of ``cache [Hkv, blocks, D, size]`` as ``[Hkv, n * size, D]``."""
-    return cache.index_select(1, block_ids).transpose(2, 3).flatten(1, 2)
+def _gather_keys(cache: torch.Tensor, block_ids: torch.Tensor, dim_major: bool) -> torch.Tensor:
+    """Whole blocks ``block_ids [n]`` of a keys tensor as ``[Hkv, n * size, D]``."""
+    if not dim_major:
+        return _gather(cache, block_ids)
+    return cache.index_select(1, block_ids).transpose(2, 3).flatten(1, 2)  # a copy: [Hkv, n, size, D] to rows
 
 
 def _decode_attention(
@@ -172,12 +188,13 @@ def _decode_attention(
 ) -> torch.Tensor:
     """Single-token queries ``[H, B, D]`` against their padded contexts; returns ``[B, H, D]``.
 
-    The query heads sharing a KV head ride on the query-length axis, so no K/V is repeated.
+    The query heads sharing a KV head ride on the query-length axis, so no K/V is repeated. Keys are
+    head-major here: they are dim-major only in engines whose decodes go through the kernel.
     """
     batch, heads, head_dim = group.num_rows, q.shape[0], q.shape[2]
     kv_heads = k_cache.shape[0]
-    keys = _gather_keys(k_cache, group.block_ids).view(kv_heads, batch, -1, head_dim).transpose(0, 1)
-    values = _gather_values(v_cache, group.block_ids).view(kv_heads, batch, -1, head_dim).transpose(0, 1)
+    keys = _gather(k_cache, group.block_ids).view(kv_heads, batch, -1, head_dim).transpose(0, 1)
+    values = _gather(v_cache, group.block_ids).view(kv_heads, batch, -1, head_dim).transpose(0, 1)
     query = q.transpose(0, 1).reshape(batch, kv_heads, heads // kv_heads, head_dim)
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=group.mask, scale=scaling)
     return out.reshape(batch, heads, head_dim)

@@ -84,17 +84,17 @@ class ModelRunner:
                 f"{self.shape.block_bytes(config.block_size, dtype)} bytes"
             )
         shape = self.shape
-        self.kv = KVCache.allocate(
-            shape.num_layers, shape.kv_heads, self.num_blocks, config.block_size, shape.head_dim, dtype, self.device
-        )
         self.decode_kernel: DecodeKernel | None = None
         if config.attention_backend == "auto" and DecodeKernel.applies(
             config.block_size, shape.head_dim, dtype, self.device
         ):
             self.decode_kernel = load_decode_kernel()
+        self.kv = KVCache.allocate(
+            shape.num_layers, shape.kv_heads, self.num_blocks, config.block_size, shape.head_dim, dtype, self.device,
+            keys_dim_major=self.decode_kernel is not None,
+        )  # fmt: skip
         # the kernel reads only each row's own blocks, so padding tables to one width costs nothing
         self._decode_group_cost = GROUP_COST_BLOCKS if self.decode_kernel is None else _ONE_GROUP
-        self._dim_offsets = torch.arange(shape.head_dim, device=self.device) * config.block_size
         self._arange = torch.arange(1024, device=self.device)
         self._zero = torch.zeros((), dtype=dtype, device=self.device)
         self._minus_inf = torch.full((), float("-inf"), dtype=dtype, device=self.device)
@@ -149,8 +149,8 @@ class ModelRunner:
             inside = span[: c.context_len][None, :] <= span[first : c.context_len][:, None]
             spans.append(ChunkSpan(c.query_start, c.query_len, c.context_len, block_ids, self._additive(inside)))
         slots = packed[n : 2 * n]
-        key_slots = (slots // size * (self.shape.head_dim * size) + slots % size)[:, None] + self._dim_offsets
-        return AttentionContext(self.kv, slots, key_slots.view(-1), groups, spans, self.decode_kernel)
+        key_slots = self.kv.key_slots(slots, size, self.shape.head_dim)
+        return AttentionContext(self.kv, slots, key_slots, groups, spans, self.decode_kernel)
 
     def _additive(self, inside: torch.Tensor) -> torch.Tensor:
         """0 where ``inside``, -inf elsewhere: built once per step (SDPA converts a bool mask per call)."""
