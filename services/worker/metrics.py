@@ -36,7 +36,7 @@ class WorkerMetrics:
         gauge("epd_kv_cache_total_blocks", lambda s: s.total_blocks, "KV blocks of this worker")
         gauge("epd_num_requests_running", lambda s: s.running, "requests being computed")
         gauge("epd_num_requests_waiting", lambda s: s.waiting, "requests waiting to be scheduled")
-        gauge("epd_num_preemptions", lambda s: getattr(s, "preemptions", 0), "preemptions since start")
+        gauge("epd_num_preemptions", lambda s: s.preemptions, "preemptions since start")
         return cls(
             prefix_cache_queries=meter.create_counter("epd_prefix_cache_queries", unit="tokens"),
             prefix_cache_hits=meter.create_counter("epd_prefix_cache_hits", unit="tokens"),

@@ -4,7 +4,9 @@ Two workers with 64 KV blocks each; every request projects ~23 blocks, so the cl
 at once. Closed-loop clients keep sending: 2 clients is half the KV, 8 clients offer twice it
 (refused clients wait the server's retry-after-ms hint, then retry). Prints latency percentiles of
 admitted requests (and their time to first token) and of refusals, and as its last line one JSON object:
-`admitted_p99_ratio` (2x load over half load; target <= 1.5) and `refusal_p99_ms` (target < 20).
+`admitted_p99_ratio` (2x load over half load; target <= 1.5) and `refusal_p99_ms` (target < 20), and the
+workers' KV states sampled from the registry every 0.1 s (most blocks reserved and in use against capacity,
+preemptions).
 
 The model is make_tiny_model's, 256 wide and 8 layers deep by default (`--text-width`, `--text-layers`):
 its decode step (~4-5 ms here) costs about the same for one sequence or two, as a GPU's does, and more than
@@ -32,7 +34,9 @@ import grpc
 
 from services.client import user_request
 from services.common.grpc_server import channel_options
+from services.common.registry import Registry
 from services.common.rpc.epd.v1 import generation_pb2_grpc
+from tests.kv_sampler import KVSampler
 
 PROMPT = " ".join(["describe the bright window near the small table"] * 10)
 
@@ -52,6 +56,7 @@ class _Outcomes:
     first_token: list[float] = field(default_factory=list)
     refused: list[float] = field(default_factory=list)
     slow: list[str] = field(default_factory=list)
+    kv: dict[str, int] = field(default_factory=dict)  # KVSampler.peaks() over the level
 
 
 async def _client(address: str, index: int, stop_at: float, max_tokens: int, out: _Outcomes) -> None:
@@ -84,14 +89,16 @@ async def _client(address: str, index: int, stop_at: float, max_tokens: int, out
                 await asyncio.sleep(int(hint) / 1000)
 
 
-def _run(address: str, clients: int, seconds: float, max_tokens: int) -> _Outcomes:
+def _run(address: str, clients: int, seconds: float, max_tokens: int, registry: Registry) -> _Outcomes:
     out = _Outcomes()
 
     async def load() -> None:
         stop_at = time.monotonic() + seconds
         await asyncio.gather(*(_client(address, i, stop_at, max_tokens, out) for i in range(clients)))
 
-    asyncio.run(load())
+    with KVSampler(registry, interval_s=0.1) as sampler:
+        asyncio.run(load())
+    out.kv = sampler.peaks()
     if out.slow:
         kinds: dict[str, int] = {}
         for text in out.slow:
@@ -134,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         }
         cluster = start_cluster(ClusterSpec(model, workers=2, redis_url=redis.url, free_ports=True, env=env))
         try:
-            half = _run(cluster.address, 2, args.seconds, args.max_tokens)
-            double = _run(cluster.address, 8, args.seconds, args.max_tokens)
+            registry = Registry(redis.url)
+            half = _run(cluster.address, 2, args.seconds, args.max_tokens, registry)
+            double = _run(cluster.address, 8, args.seconds, args.max_tokens, registry)
         finally:
             cluster.stop()
             redis.stop()
@@ -146,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
             f"first token p50 {1000 * _percentile(f, 0.5):6.1f}ms  p99 {1000 * _percentile(f, 0.99):6.1f}ms   "
             f"refused {len(r):4d}  p50 {1000 * _percentile(r, 0.5):6.1f}ms  p99 {1000 * _percentile(r, 0.99):6.1f}ms"
         )
+        kv = data.kv
+        print(
+            f"{name:6s} KV sampled {kv.get('samples', 0)} times: most reserved {kv.get('max_reserved_blocks')} and "
+            f"in use {kv.get('max_used_blocks')} of {kv.get('capacity_blocks')} blocks per worker, "
+            f"preemptions {kv.get('preemptions')}"
+        )
     result = {
         "half_admitted_p99_s": _percentile(half.admitted, 0.99),
         "double_admitted_p99_s": _percentile(double.admitted, 0.99),
@@ -155,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         "double_throughput_rps": len(double.admitted) / args.seconds,
         "half_throughput_rps": len(half.admitted) / args.seconds,
         "median_admitted_s": statistics.median(double.admitted) if double.admitted else None,
+        "double_max_reserved_blocks": double.kv.get("max_reserved_blocks"),
+        "double_max_used_blocks": double.kv.get("max_used_blocks"),
+        "capacity_blocks": double.kv.get("capacity_blocks"),
+        "preemptions": double.kv.get("preemptions"),
     }
     print(json.dumps(result))
     return 0

@@ -142,6 +142,7 @@ class Engine:
             running=len(scheduler.running),
             waiting=len(scheduler.waiting),
             block_size=self.config.block_size,
+            preemptions=scheduler.num_preemptions,
         )
 
     def embedding_stats(self) -> EmbeddingStats:

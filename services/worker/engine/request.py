@@ -73,3 +73,4 @@ class KVState:
     running: int
     waiting: int
     block_size: int
+    preemptions: int = 0  # since start; stays 0 with overcommit 1.0
