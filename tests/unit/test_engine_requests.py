@@ -199,3 +199,24 @@ def test_request_waits_for_reserved_blocks_without_spinning(loaded: tuple[Any, A
     results: dict[str, Result] = {}
     drain(engine, results)
     assert results["late"].finish_reason == "length" and len(results["late"].tokens) == 5
+
+
+def test_kv_state_counts_preemptions(loaded: tuple[Any, Any]) -> None:
+    """Overcommitted (3x a 12-block KV), requests preempt each other by recompute, the published state counts
+    it and the tokens equal a roomy engine's; at overcommit 1.0 the count stays 0."""
+    adapter, model = loaded
+    block_bytes = 2 * 2 * 2 * 16 * 16 * 4  # K and V x layers x kv heads x head dim x block size x fp32
+    prompts = [build_prompt(adapter, model, [f"request {i} " + "words " * (8 + 3 * i)]) for i in range(6)]
+    outputs = []
+    for overcommit, blocks in ((1.0, 256), (3.0, 12)):
+        engine = make_engine(loaded, kv_cache_bytes=blocks * block_bytes, overcommit=overcommit)
+        assert engine.kv_state().total_blocks == blocks
+        for i, prompt in enumerate(prompts):
+            engine.add_request(prompt.request(f"r{i}", SamplingOptions(max_tokens=20, ignore_eos=True)))
+        results: dict[str, Result] = {}
+        drain(engine, results)
+        outputs.append([results[f"r{i}"].tokens for i in range(len(prompts))])
+        state = engine.kv_state()
+        assert (state.preemptions > 0) == (overcommit > 1), state
+        assert state.free_blocks == state.total_blocks and state.reserved_blocks == 0
+    assert outputs[0] == outputs[1]
