@@ -48,7 +48,6 @@ class DecodeKernel:
         fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr]
         fn.restype = ctypes.c_int
         self._fn = fn
-        self._scratch = torch.empty(0)
 
     @staticmethod
     def applies(block_size: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -69,15 +68,12 @@ class DecodeKernel:
         width = tables.numel() // batch
         if q.stride(-1) != 1:
             q = q.contiguous()
-        group = heads // kv_heads
-        need = group * width * BLOCK_SIZE
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(max(need, 2 * self._scratch.numel()))
-        out = torch.empty(batch, heads, head_dim)
+        scratch = torch.empty(heads // kv_heads * width * BLOCK_SIZE, dtype=torch.float32)  # per call: engines share it
+        out = torch.empty(batch, heads, head_dim, dtype=torch.float32)
         rc = self._fn(
             q.data_ptr(), q.stride(0), q.stride(1), keys.data_ptr(), values.data_ptr(), tables.data_ptr(),
             width, lengths.data_ptr(), batch, heads, kv_heads, num_blocks, head_dim, scale, out.data_ptr(),
-            self._scratch.data_ptr(),
+            scratch.data_ptr(),
         )  # fmt: skip
         if rc != 0:
             raise ValueError(f"decode kernel: unsupported shapes (heads {heads}, kv heads {kv_heads}, dim {head_dim})")
