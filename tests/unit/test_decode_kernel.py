@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from services.worker.engine.decode_kernel import BLOCK_SIZE, DecodeKernel, load_decode_kernel
+from services.worker.engine.decode_kernel import BLOCK_SIZE, DecodeKernel, build_decode_kernel, load_decode_kernel
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +82,22 @@ def test_applies_only_to_float32_cpu_16_token_blocks() -> None:
     assert not DecodeKernel.applies(16, 8, torch.float32, cpu)
     assert not DecodeKernel.applies(16, 128, torch.bfloat16, cpu)
     assert not DecodeKernel.applies(16, 128, torch.float32, torch.device("cuda"))
+
+
+def test_builds_into_an_empty_folder_and_reuses_it(tmp_path: Path, kernel: DecodeKernel) -> None:
+    """A fresh machine's path: compile into the cache folder, then find it there; a broken compiler is None."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    assert compiler is not None
+    built = build_decode_kernel(compiler, tmp_path)
+    assert built is not None and built.parent == tmp_path
+    mtime = built.stat().st_mtime_ns
+    assert build_decode_kernel(compiler, tmp_path) == built and built.stat().st_mtime_ns == mtime
+    fresh = DecodeKernel(ctypes.CDLL(str(built)))
+    keys, values = torch.randn(2, 3, 16, BLOCK_SIZE), torch.randn(2, 3, BLOCK_SIZE, 16)
+    q, tables, lengths = torch.randn(4, 2, 16), torch.tensor([2, 0, 1, 1, 0, 2]), torch.tensor([40, 20])
+    expected = kernel(q, keys, values, tables, lengths, 0.25)
+    torch.testing.assert_close(fresh(q, keys, values, tables, lengths, 0.25), expected)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    assert build_decode_kernel("false", broken) is None
+    assert not any(broken.iterdir())  # no partial file left behind

@@ -87,24 +87,29 @@ def load_decode_kernel() -> DecodeKernel | None:
     if compiler is None:
         log.warning("no C compiler found: decode attention uses SDPA over gathered blocks")
         return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), _compiler_id(compiler), _cpu_id()]))
     folder = _cache_folder()
     if folder is None:
         log.warning("no writable cache folder for the decode kernel: using SDPA")
         return None
+    library = build_decode_kernel(compiler, folder)
+    return None if library is None else DecodeKernel(ctypes.CDLL(str(library)))
+
+
+def build_decode_kernel(compiler: str, folder: Path) -> Path | None:
+    """The shared object for this source, compiler and CPU in ``folder``, compiled unless already there;
+    None (and a warning) when the compiler fails."""
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), _compiler_id(compiler), _cpu_id()]))
     target = folder / f"decode_kernel-{key.hexdigest()[:20]}.so"
-    if not target.exists():
-        partial = folder / f".{target.name}.{os.getpid()}"
-        result = subprocess.run(
-            [compiler, *FLAGS, "-o", str(partial), str(SOURCE)], capture_output=True, text=True, check=False
-        )
-        if result.returncode != 0:
-            log.warning("decode kernel did not compile (%s): using SDPA\n%s", compiler, result.stderr[-2000:])
-            partial.unlink(missing_ok=True)
-            return None
-        os.replace(partial, target)
-    return DecodeKernel(ctypes.CDLL(str(target)))
+    if target.exists():
+        return target
+    partial = folder / f".{target.name}.{os.getpid()}"
+    result = subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE)], capture_output=True, text=True)
+    if result.returncode != 0:
+        log.warning("decode kernel did not compile (%s): using SDPA\n%s", compiler, result.stderr[-2000:])
+        partial.unlink(missing_ok=True)
+        return None
+    os.replace(partial, target)  # atomic: processes building at once each rename a whole file
+    return target
 
 
 def _compiler_id(compiler: str) -> bytes:
