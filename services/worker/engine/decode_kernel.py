@@ -51,7 +51,7 @@ class DecodeKernel:
 
     @staticmethod
     def applies(block_size: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether the kernel handles this engine's KV: float32 on the CPU, 16-token blocks, dims of 16."""
+        """Whether the kernel handles this engine's KV: float32 on the CPU, 16-token blocks, head dims % 16 == 0."""
         return device.type == "cpu" and dtype == torch.float32 and block_size == BLOCK_SIZE and head_dim % 16 == 0
 
     def __call__(

@@ -64,7 +64,7 @@ class ModelRunner:
     the slots of the blocks the scheduler allocated to its chunks.
 
     Decodes go through the compiled CPU kernel when ``config.attention_backend`` is ``"auto"`` and it
-    applies (float32 on the CPU, 16-token blocks, head dims of 16) and builds; else through SDPA.
+    applies (float32 on the CPU, 16-token blocks, head dims a multiple of 16) and builds; else SDPA.
     """
 
     def __init__(self, adapter: Any, model: torch.nn.Module, config: EngineConfig) -> None:
