@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from services.models.registry import load_adapter
-from services.worker.engine.config import EngineConfig
+from services.worker.engine.config import ATTENTION_BACKENDS, EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions
 from tests.bench.hf_baseline import run_static_batches
@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
     parser.add_argument(
-        "--attention-backend", default="auto", choices=["auto", "sdpa"], help="engine decode attention (EngineConfig)"
+        "--attention-backend", default="auto", choices=ATTENTION_BACKENDS, help="engine decode attention (EngineConfig)"
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")

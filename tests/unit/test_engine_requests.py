@@ -14,6 +14,7 @@ import torch
 from services.models.registry import load_adapter
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
+from services.worker.engine.model_runner import KVShape
 from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions
 from tests.engine_support import Prompt, Result, build_prompt, collect, drain, image, reference
 
@@ -205,7 +206,7 @@ def test_kv_state_counts_preemptions(loaded: tuple[Any, Any]) -> None:
     """Overcommitted (3x a 12-block KV), requests preempt each other by recompute, the published state counts
     it and the tokens equal a roomy engine's; at overcommit 1.0 the count stays 0."""
     adapter, model = loaded
-    block_bytes = 2 * 2 * 2 * 16 * 16 * 4  # K and V x layers x kv heads x head dim x block size x fp32
+    block_bytes = KVShape.of(model).block_bytes(16, torch.float32)
     prompts = [build_prompt(adapter, model, [f"request {i} " + "words " * (8 + 3 * i)]) for i in range(6)]
     outputs = []
     for overcommit, blocks in ((1.0, 256), (3.0, 12)):
