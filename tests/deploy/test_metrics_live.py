@@ -45,8 +45,13 @@ def scrapes(tiny_model_dir: Path) -> Iterator[dict[str, str]]:
 def send_requests(address: str) -> None:
     image = media_factory.png(160, 120)
     with Client(address) as client:
-        answer = client.generate(user_request("Describe the image.", [image], max_tokens=4), timeout_s=120)
-        assert answer.token_ids and answer.final.usage.image_tokens > 0
+        # 16 tokens, eos ignored: the worker coalesces tokens made while a message is in flight, so a
+        # 4-token answer from a fast engine can come as one message, and the router then has no gap to record
+        # as inter-token latency (its histogram is not exported until it has a sample)
+        streamed = user_request("Describe the image.", [image], max_tokens=16)
+        streamed.sampling.ignore_eos = True
+        answer = client.generate(streamed, timeout_s=120)
+        assert len(answer.token_ids) == 16 and answer.final.usage.image_tokens > 0
         with pytest.raises(grpc.RpcError) as never_fits:
             client.generate(user_request("Describe the image.", [image], max_tokens=4000), timeout_s=60)
         assert never_fits.value.code() == grpc.StatusCode.FAILED_PRECONDITION
