@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.common import grpc_server
-from services.common.block_hash import MediaSpan, extend_block_hashes
+from services.common.block_hash import MediaSpan
 from services.common.embedding_cache import CacheSettings, EmbeddingCache
 from services.common.model_info import ModelInfo, load_model_info
 from services.common.registry import Registry
@@ -33,6 +33,7 @@ from services.router.errors import RequestError, unavailable
 from services.router.metrics import RouterMetrics
 from services.router.output import Detokenizer
 from services.router.placement import PrefixAffinity
+from services.router.request_blocks import RequestBlocks
 from services.router.request_prep import RequestPrep
 
 log = logging.getLogger(__name__)
@@ -47,8 +48,16 @@ class StreamEnd:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, info: ModelInfo, config: RouterConfig, prep: RequestPrep, admission: Admission,
-                 dispatcher: EncodeDispatcher, metrics: RouterMetrics, channels: dict[str, grpc.aio.Channel]) -> None:
+    def __init__(
+        self,
+        info: ModelInfo,
+        config: RouterConfig,
+        prep: RequestPrep,
+        admission: Admission,
+        dispatcher: EncodeDispatcher,
+        metrics: RouterMetrics,
+        channels: dict[str, grpc.aio.Channel],
+    ) -> None:
         self._info = info
         self._config = config
         self._prep = prep
@@ -62,8 +71,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._channels[address] = grpc.aio.insecure_channel(address, options=grpc_server.channel_options())
         return self._channels[address]
 
-    async def CountTokens(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
-                          ) -> generation_pb2.TokenCount:
+    async def CountTokens(
+        self,
+        request: generation_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> generation_pb2.TokenCount:
         try:
             return (await self._prep.prepare(request)).accounted.token_count()
         except RequestError as exc:
@@ -95,9 +107,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._metrics.requests.add(1, {"outcome": outcome})
             self._metrics.e2e_seconds.record(time.perf_counter() - start)
 
-    def _block_hashes(self, accounted: Accounted, cache_salt: str) -> list[bytes]:
+    @staticmethod
+    def _request_blocks(accounted: Accounted, cache_salt: str) -> RequestBlocks:
+        """The request's blocks and prefix hashes, hashed lazily per block size of the workers it is ranked on."""
         spans = [MediaSpan(r.mm_hash, r.offset, r.num_tokens) for r in accounted.refs]
-        return extend_block_hashes([], accounted.token_ids, self._admission.block_size(), spans, cache_salt)
+        return RequestBlocks.for_prompt(accounted.token_ids, accounted.projected_tokens, spans, cache_salt)
 
     async def _open_worker(self, worker: str, request: worker_pb2.WorkerRequest, timeout: float):
         """Open the worker stream and wait for admission; None when the worker refuses or is down."""
@@ -113,8 +127,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             return None
         return Reserved(call, first.state_at)
 
-    async def _generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
-                        start: float):
+    async def _generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext, start: float):
         prepared = await self._prep.prepare(request)
         accounted, sampling = prepared.accounted, prepared.sampling
         request_id = request.request_id or uuid.uuid4().hex
@@ -122,15 +135,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         timeout = min(self._config.request_timeout_s, remaining if remaining is not None else float("inf"))
         deadline = time.monotonic() + timeout
         worker_request = worker_pb2.WorkerRequest(
-            request_id=request_id, token_ids=accounted.token_ids, media=accounted.refs, sampling=sampling,
-            cache_salt=request.cache_salt, embedding_timeout_s=min(timeout, self._config.encode_timeout_s))
+            request_id=request_id,
+            token_ids=accounted.token_ids,
+            media=accounted.refs,
+            sampling=sampling,
+            cache_salt=request.cache_salt,
+            embedding_timeout_s=min(timeout, self._config.encode_timeout_s),
+        )
         admitted = await self._admission.admit(
-            accounted.projected_tokens, self._block_hashes(accounted, request.cache_salt),
-            lambda worker: self._open_worker(worker, worker_request, timeout), deadline)
+            self._request_blocks(accounted, request.cache_salt),
+            lambda worker: self._open_worker(worker, worker_request, timeout),
+            deadline,
+        )
         self._metrics.queue_seconds.record(admitted.queue_s)
         call = admitted.handle
-        encode = asyncio.create_task(self._dispatcher.encode(
-            request_id, list(accounted.refs), accounted.item_data, admitted.worker, deadline))
+        encode = asyncio.create_task(
+            self._dispatcher.encode(request_id, list(accounted.refs), accounted.item_data, admitted.worker, deadline)
+        )
         encode.add_done_callback(lambda task: task.cancelled() or task.exception() is None or call.cancel())
         encode.add_done_callback(self._record_encode)
         end = StreamEnd()
@@ -147,8 +168,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not task.cancelled() and task.exception() is None and task.result() > 0:
             self._metrics.encode_seconds.record(task.result())
 
-    async def _stream(self, call, request_id: str, accounted: Accounted, sampling: common_pb2.SamplingParams, admitted,
-                      encode: asyncio.Task, start: float, end: StreamEnd):
+    async def _stream(
+        self,
+        call,
+        request_id: str,
+        accounted: Accounted,
+        sampling: common_pb2.SamplingParams,
+        admitted,
+        encode: asyncio.Task,
+        start: float,
+        end: StreamEnd,
+    ):
         detok = Detokenizer(self._info.adapter.tokenizer, list(sampling.stop))
         completion, first_token_s, reason, cached, last, prefill_s = 0, 0.0, "length", 0, 0.0, 0.0
         try:
@@ -165,7 +195,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 delta = detok.add(list(response.token_ids))
                 text = delta.text + (detok.flush() if response.finished and not delta.stopped else "")
                 yield generation_pb2.GenerateResponse(
-                    chunk=generation_pb2.Chunk(token_ids=response.token_ids, text=text))
+                    chunk=generation_pb2.Chunk(token_ids=response.token_ids, text=text)
+                )
                 if delta.stopped or response.finished:
                     reason = "stop" if delta.stopped else response.finish_reason
                     cached = response.cached_tokens
@@ -180,14 +211,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 raise unavailable(f"worker {admitted.worker} failed: {exc.code().name}: {exc.details()}") from exc
             raise RequestError(exc.code(), f"worker {admitted.worker}: {exc.details()}") from exc
         usage = generation_pb2.Usage(
-            prompt_tokens=accounted.prompt_tokens, text_tokens=accounted.text_tokens,
-            image_tokens=accounted.image_tokens, completion_tokens=completion, cached_tokens=cached)
+            prompt_tokens=accounted.prompt_tokens,
+            text_tokens=accounted.text_tokens,
+            image_tokens=accounted.image_tokens,
+            completion_tokens=completion,
+            cached_tokens=cached,
+        )
         encode_s = encode.result() if encode.done() and not encode.cancelled() and not encode.exception() else 0.0
-        timing = generation_pb2.Timing(queue_s=admitted.queue_s, encode_s=encode_s, prefill_s=prefill_s,
-                                       first_token_s=first_token_s,
-                                       total_s=time.perf_counter() - start)
-        yield generation_pb2.GenerateResponse(final=generation_pb2.Final(
-            finish_reason=reason, usage=usage, timing=timing, request_id=request_id))
+        timing = generation_pb2.Timing(
+            queue_s=admitted.queue_s,
+            encode_s=encode_s,
+            prefill_s=prefill_s,
+            first_token_s=first_token_s,
+            total_s=time.perf_counter() - start,
+        )
+        yield generation_pb2.GenerateResponse(
+            final=generation_pb2.Final(finish_reason=reason, usage=usage, timing=timing, request_id=request_id)
+        )
 
 
 def _count_lookup(metrics: RouterMetrics, queries: int, hits: int) -> None:
@@ -205,15 +245,34 @@ async def start_router(config: RouterConfig):
     view = ClusterView(Registry(config.redis_url), info.identity.revision)
     await view.start()
     channels: dict[str, grpc.aio.Channel] = {}
-    admission = Admission(view, PrefixAffinity(), AdmissionSettings(
-        config.admission_queue_size, config.admission_max_wait_s, config.retry_after_ms, config.prefix_affinity_weight))
-    servicer = GenerationServicer(info, config, RequestPrep(info, config, metrics), admission,
-                                  EncodeDispatcher(view, cache, lambda a: servicer.channel(a), config.encoder_addrs,
-                                                   on_lookup=lambda queries, hits: _count_lookup(metrics, queries,
-                                                                                                 hits)),
-                                  metrics, channels)
-    binding = grpc_server.ServiceBinding(generation_pb2_grpc.add_GenerationServicer_to_server, servicer,
-                                         "epd.v1.Generation")
+    admission = Admission(
+        view,
+        PrefixAffinity(),
+        AdmissionSettings(
+            config.admission_queue_size,
+            config.admission_max_wait_s,
+            config.retry_after_ms,
+            config.prefix_affinity_weight,
+        ),
+    )
+    servicer = GenerationServicer(
+        info,
+        config,
+        RequestPrep(info, config, metrics),
+        admission,
+        EncodeDispatcher(
+            view,
+            cache,
+            lambda a: servicer.channel(a),
+            config.encoder_addrs,
+            on_lookup=lambda queries, hits: _count_lookup(metrics, queries, hits),
+        ),
+        metrics,
+        channels,
+    )
+    binding = grpc_server.ServiceBinding(
+        generation_pb2_grpc.add_GenerationServicer_to_server, servicer, "epd.v1.Generation"
+    )
     running = await grpc_server.start_server(config.host, config.port, [binding])
     log.info("router serving on %s:%d", config.host, running.port)
 
