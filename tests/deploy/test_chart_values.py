@@ -7,6 +7,8 @@ from pathlib import Path
 import helm_python as helm
 import pytest
 
+from services.common.config import load
+from services.worker.config import WorkerConfig
 from tests.deploy.support import (
     CHART,
     KUBE_VERSIONS,
@@ -52,10 +54,54 @@ def test_gpu_scenario_requests_gpus_for_4_encoders_and_8_workers() -> None:
     assert "initContainers" not in worker_set["spec"]["template"]["spec"]
 
 
+def test_gpu_workers_size_kv_from_memory_utilisation_not_bytes() -> None:
+    docs = render(load_values(CI / "gpu-4enc-8wkr-values.yaml"))
+    env = env_of(main_container(docs, "StatefulSet", "worker"))
+    assert env["EPD_GPU_MEMORY_UTILIZATION"] == "0.9"
+    assert "EPD_KV_CACHE_BYTES" not in env and "EPD_BLOCK_SIZE" not in env  # automatic: 256-token flash blocks
+    config = load(WorkerConfig, env=env)
+    assert (config.device, config.kv_cache_bytes, config.gpu_memory_utilization) == ("cuda", 0, 0.9)
+    assert "EPD_GPU_MEMORY_UTILIZATION" not in env_of(main_container(docs, "Deployment", "encoder"))
+    # A byte budget set by the user still wins, as it does in the worker.
+    values = load_values(CI / "gpu-4enc-8wkr-values.yaml")
+    values["worker"]["env"]["EPD_KV_CACHE_BYTES"] = "42949672960"
+    values["worker"]["gpuMemoryUtilization"] = 1
+    env = env_of(main_container(render(values), "StatefulSet", "worker"))
+    assert (env["EPD_KV_CACHE_BYTES"], env["EPD_GPU_MEMORY_UTILIZATION"]) == ("42949672960", "1")
+    assert load(WorkerConfig, env=env).gpu_memory_utilization == 1.0
+
+
+def test_cpu_workers_keep_a_byte_budget() -> None:
+    env = env_of(main_container(render(load_values(CI / "cpu-dev-values.yaml")), "StatefulSet", "worker"))
+    assert env["EPD_DEVICE"] == "cpu" and env["EPD_KV_CACHE_BYTES"] == "268435456"
+    assert "EPD_GPU_MEMORY_UTILIZATION" not in env
+    assert load(WorkerConfig, env=env).kv_cache_bytes == 268435456
+
+
+@pytest.mark.parametrize("values_file", sorted(CI.glob("*-values.yaml")), ids=lambda p: p.name)
+def test_only_containers_that_request_gpus_see_gpus(values_file: Path) -> None:
+    # NVIDIA's runtime exposes every GPU of the node to a container whose NVIDIA_VISIBLE_DEVICES says
+    # `all`, as CUDA images do: containers without a GPU request say `void`; those with one leave the
+    # variable to the device plugin, which sets it to the GPUs it assigned.
+    seen = {True: 0, False: 0}
+    for component, spec in pod_specs(render(load_values(values_file))):
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            gpu = GPU in container.get("resources", {}).get("requests", {})
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            if gpu:
+                assert "NVIDIA_VISIBLE_DEVICES" not in env, (component, container["name"])
+            else:
+                assert env.get("NVIDIA_VISIBLE_DEVICES") == "void", (component, container["name"])
+            seen[gpu] += 1
+    assert seen[False] >= 2  # the router and Redis at least
+
+
 def test_default_scenario_shape() -> None:
     docs = render(None)
-    assert {h["metadata"]["labels"]["app.kubernetes.io/component"]
-            for h in find(docs, "HorizontalPodAutoscaler")} == {"router", "encoder"}
+    assert {h["metadata"]["labels"]["app.kubernetes.io/component"] for h in find(docs, "HorizontalPodAutoscaler")} == {
+        "router",
+        "encoder",
+    }
     assert len(find(docs, "PodDisruptionBudget")) == 3
     headless = one(docs, "Service", "worker")
     assert headless["spec"]["clusterIP"] == "None"
@@ -91,7 +137,8 @@ def test_external_redis_replaces_the_bundled_one() -> None:
     egress = one(docs, "NetworkPolicy", "router")["spec"]["egress"]
     redis_rules = [r for r in egress if r["ports"] == [{"port": 6379, "protocol": "TCP"}]]
     assert redis_rules and redis_rules[0]["to"][0]["namespaceSelector"]["matchLabels"] == {
-        "kubernetes.io/metadata.name": "cache"}
+        "kubernetes.io/metadata.name": "cache"
+    }
 
 
 def test_router_egress_is_limited() -> None:
@@ -143,14 +190,35 @@ def test_bad_values_are_rejected_by_the_schema() -> None:
     assert any("additional properties 'replica' not allowed" in e for e in report["errors"])
 
 
-@pytest.mark.parametrize(("values", "message"), [
-    ({"model": {"tiny": {"enabled": False}}}, "set model.pvc.claimName"),
-    ({"model": {"pvc": {"claimName": "m"}}}, "not both"),
-    ({"redis": {"enabled": False}}, "redis.external.url"),
-    ({"worker": {"env": {"EPD_REDIS_URL": "redis://other:6379/0"}}}, "same for every epd pod"),
-    ({"env": {"EPD_REDIS_URL": "redis://other:6379/0"}}, "set redis.external.url instead"),
-    ({"router": {"autoscaling": {"minReplicas": 9}}}, "minReplicas must not exceed maxReplicas"),
-])
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (0, "at '/worker/gpuMemoryUtilization': exclusiveMinimum: got 0, want 0"),
+        (-0.5, "at '/worker/gpuMemoryUtilization': exclusiveMinimum: got -0.5, want 0"),
+        (1.5, "at '/worker/gpuMemoryUtilization': maximum: got 1.5, want 1"),
+        ("0.9", "at '/worker/gpuMemoryUtilization': got string, want number"),  # what `--set` passes
+    ],
+)
+def test_gpu_memory_utilization_outside_0_1_is_refused(value: object, message: str) -> None:
+    values = {"worker": {"gpuMemoryUtilization": value}}
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError) as caught:
+        chart.validate_schema(values)
+    assert message in str(caught.value)
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError, match="gpuMemoryUtilization"):
+        chart.render(values, name="demo", namespace="ml")
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"model": {"tiny": {"enabled": False}}}, "set model.pvc.claimName"),
+        ({"model": {"pvc": {"claimName": "m"}}}, "not both"),
+        ({"redis": {"enabled": False}}, "redis.external.url"),
+        ({"worker": {"env": {"EPD_REDIS_URL": "redis://other:6379/0"}}}, "same for every epd pod"),
+        ({"env": {"EPD_REDIS_URL": "redis://other:6379/0"}}, "set redis.external.url instead"),
+        ({"router": {"autoscaling": {"minReplicas": 9}}}, "minReplicas must not exceed maxReplicas"),
+    ],
+)
 def test_inconsistent_values_fail_with_a_message(values: dict, message: str) -> None:
     with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmRenderError, match=message):
         chart.render(values, name="demo", namespace="ml")

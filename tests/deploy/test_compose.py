@@ -9,6 +9,8 @@ import pytest
 import yaml
 from compose_spec import PyCompose
 
+from services.common.config import load
+from services.worker.config import WorkerConfig
 from tests.deploy.support import COMPOSE_FILE, interface_env_names, interpolate, load_compose
 
 EPD_SERVICES = {"router": 50051, "encoder": 50061, "worker": 50071, "encoder-gpu": 50061, "worker-gpu": 50071}
@@ -74,8 +76,10 @@ def test_epd_services(compose: dict[str, Any], name: str, port: int) -> None:
     assert env["EPD_REDIS_URL"] == "redis://redis:6379/0"
     assert env["EPD_MODEL"] == "/models/tiny"
     assert service["healthcheck"]["test"] == ["CMD", "epd", "health", f"127.0.0.1:{port}"]
-    assert service["depends_on"] == {"redis": {"condition": "service_healthy"},
-                                     "model-init": {"condition": "service_completed_successfully"}}
+    assert service["depends_on"] == {
+        "redis": {"condition": "service_healthy"},
+        "model-init": {"condition": "service_completed_successfully"},
+    }
     assert service["read_only"] is True and service["tmpfs"] == ["/tmp"]
     assert service["volumes"] == ["epd-models:/models:ro"]
 
@@ -94,8 +98,11 @@ def test_router_finds_workers_in_the_registry_and_reaches_services_by_name(compo
 
 
 def test_every_epd_service_shares_one_redis(compose: dict[str, Any]) -> None:
-    urls = {name: service["environment"]["EPD_REDIS_URL"] for name, service in services(compose).items()
-            if name in EPD_SERVICES}
+    urls = {
+        name: service["environment"]["EPD_REDIS_URL"]
+        for name, service in services(compose).items()
+        if name in EPD_SERVICES
+    }
     assert set(urls) == set(EPD_SERVICES)
     assert set(urls.values()) == {"redis://redis:6379/0"}
     assert "redis" in services(compose)
@@ -112,6 +119,37 @@ def test_gpu_profile_reserves_nvidia_devices(compose: dict[str, Any]) -> None:
         assert device == {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
         assert service["environment"]["EPD_DEVICE"] == "cuda"
         assert service["build"]["args"]["VARIANT"] == "cuda"
+
+
+def test_only_the_gpu_services_get_gpus(compose: dict[str, Any]) -> None:
+    # The CUDA image sets NVIDIA_VISIBLE_DEVICES=void: a container sees GPUs only through its device
+    # request, which sets the variable to the devices Docker assigns; nothing here may override that.
+    for name, service in services(compose).items():
+        assert "runtime" not in service and "gpus" not in service, name
+        assert "NVIDIA_VISIBLE_DEVICES" not in service.get("environment", {}), name
+        if name in EPD_SERVICES and not name.endswith("-gpu"):
+            assert service["build"]["args"]["VARIANT"] == "cpu", name
+            assert service["environment"]["EPD_DEVICE"] == "cpu", name
+
+
+def test_gpu_worker_sizes_its_kv_cache_from_gpu_memory(compose: dict[str, Any]) -> None:
+    gpu = services(compose)["worker-gpu"]["environment"]
+    assert gpu["EPD_KV_CACHE_BYTES"] == "0"  # 0: automatic, from the utilisation
+    config = load(WorkerConfig, env=gpu)
+    assert (config.kv_cache_bytes, config.block_size) == (0, 0)
+    # `count: 1` gives encoder-gpu and worker-gpu the same GPU (device 0): the worker leaves the encoder
+    # room instead of taking the worker's default share.
+    devices = [
+        services(compose)[name]["deploy"]["resources"]["reservations"]["devices"]
+        for name in ("encoder-gpu", "worker-gpu")
+    ]
+    assert devices[0] == devices[1] == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert config.gpu_memory_utilization == 0.6 < WorkerConfig.gpu_memory_utilization
+    assert services(compose)["worker"]["environment"]["EPD_KV_CACHE_BYTES"] == "268435456"  # CPU: bytes
+    assert "EPD_GPU_MEMORY_UTILIZATION" not in services(compose)["worker"]["environment"]
+    tuned = load_compose({"EPD_GPU_MEMORY_UTILIZATION": "0.8", "EPD_GPU_KV_CACHE_BYTES": "42949672960"})
+    env = tuned["services"]["worker-gpu"]["environment"]
+    assert (env["EPD_GPU_MEMORY_UTILIZATION"], env["EPD_KV_CACHE_BYTES"]) == ("0.8", "42949672960")
 
 
 def test_a_mounted_model_replaces_the_tiny_one() -> None:

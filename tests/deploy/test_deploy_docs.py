@@ -3,6 +3,7 @@ what they name exists."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from collections.abc import Callable, Iterator
@@ -67,9 +68,8 @@ def value_exists(values: dict[str, Any], dotted: str) -> bool:
 def test_helm_values_named_in_docs_exist(doc: str) -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     text = DOCS[doc]()
-    keys = re.findall(r"--set(?:-string)?\s+([A-Za-z0-9_.]+)=", text)
-    keys += re.findall(r"`((?:image|model|metrics|redis|worker|encoder|router|networkPolicy)\.[A-Za-z0-9_.]+)`",
-                       text)
+    keys = re.findall(r"--set(?:-string|-json)?\s+([A-Za-z0-9_.]+)=", text)
+    keys += re.findall(r"`((?:image|model|metrics|redis|worker|encoder|router|networkPolicy)\.[A-Za-z0-9_.]+)`", text)
     assert keys
     missing = [k for k in keys if not value_exists(values, k)]
     assert missing == [], missing
@@ -87,8 +87,9 @@ def test_files_named_in_docs_exist(doc: str) -> None:
 
 def test_epd_commands_in_docs_parse() -> None:
     parser = epd_parser()
-    commands = [line for text in (read() for read in DOCS.values()) for line in shell_lines(text)
-                if line.startswith("epd ")]
+    commands = [
+        line for text in (read() for read in DOCS.values()) for line in shell_lines(text) if line.startswith("epd ")
+    ]
     assert any(c.startswith("epd up --ray") for c in commands)
     for command in commands:
         parser.parse_args(shlex.split(command)[1:])
@@ -109,7 +110,7 @@ def test_compose_services_named_in_docs_exist(doc: str) -> None:
     for line in shell_lines(DOCS[doc]()):
         words = shlex.split(line.split("docker compose", 1)[1]) if "docker compose" in line else []
         if "up" in words:
-            named = [w for w in words[words.index("up") + 1:] if not w.startswith("-")]
+            named = [w for w in words[words.index("up") + 1 :] if not w.startswith("-")]
             assert set(named) <= services, named
 
 
@@ -125,15 +126,16 @@ def test_chart_readme_documents_every_value() -> None:
 
 
 def helm_install_values(line: str) -> dict[str, Any]:
-    """The values a `helm install` line passes (`-f FILE`, `--set k=v`, `--set-string k=v`), as Helm types them."""
+    """The values a `helm install` line passes (`-f FILE`, `--set`, `--set-string`, `--set-json` k=v), as Helm
+    types them (`--set` makes integers and booleans of text, never floats)."""
     words = shlex.split(line)
     values: dict[str, Any] = {}
     for flag, arg in zip(words, words[1:], strict=False):
         if flag in ("-f", "--values"):
             values = merge(values, yaml.safe_load((REPO / arg).read_text()) or {})
-        elif flag in ("--set", "--set-string"):
+        elif flag in ("--set", "--set-string", "--set-json"):
             key, raw = arg.split("=", 1)
-            typed: Any = raw
+            typed: Any = json.loads(raw) if flag == "--set-json" else raw
             if flag == "--set" and raw in ("true", "false"):
                 typed = raw == "true"
             elif flag == "--set" and re.fullmatch(r"-?\d+", raw):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -11,6 +12,8 @@ import promql_parser
 import pytest
 import yaml
 
+from services.common.config import load
+from services.worker.config import WorkerConfig
 from tests.deploy.support import REPO, interface_env_names
 
 DASHBOARD = REPO / "deploy" / "grafana" / "epd-dashboard.json"
@@ -87,6 +90,22 @@ def test_env_examples_use_agreed_names(example: Path) -> None:
     if example.name.startswith("compose"):
         compose_text = (REPO / "docker-compose.yml").read_text()
         assert all("${" + name + ":-" in compose_text for name in names), names
+
+
+def test_worker_env_example_is_valid_and_shows_the_defaults() -> None:
+    text = (REPO / "deploy" / "env" / "worker.env.example").read_text()
+    env = dict(re.findall(r"^(EPD_[A-Z0-9_]+)=(.*)$", text, flags=re.MULTILINE))
+    example = load(WorkerConfig, env=env)  # validates, e.g. EPD_GPU_MEMORY_UTILIZATION within (0, 1]
+    defaults = WorkerConfig(model=example.model)
+    differ = {f.name for f in dataclasses.fields(WorkerConfig) if getattr(example, f.name) != getattr(defaults, f.name)}
+    assert differ == {"device", "dtype"}, differ  # as its header says (EPD_MODEL has no default)
+    assert {
+        "EPD_GPU_MEMORY_UTILIZATION",
+        "EPD_CUDA_GRAPHS",
+        "EPD_ATTENTION_BACKEND",
+        "EPD_BLOCK_SIZE",
+        "EPD_KV_CACHE_BYTES",
+    } <= set(env)
 
 
 def test_env_examples_share_one_redis_and_list_no_workers() -> None:

@@ -17,6 +17,11 @@
   "HOME" "/tmp"
   "HF_HUB_OFFLINE" "1"
 }}
+{{- /* A pod without GPUs sees none, whatever the image says (the CUDA image's default is void too);
+       GPU pods get NVIDIA_VISIBLE_DEVICES from the device plugin, so the chart never sets it there. */}}
+{{- if not $gpu }}
+{{- $_ := set $vars "NVIDIA_VISIBLE_DEVICES" "void" }}
+{{- end }}
 {{- range $src := list (default (dict) $root.Values.env) (default (dict) .comp.env) }}
 {{- if hasKey $src "EPD_REDIS_URL" }}
 {{- fail "env: EPD_REDIS_URL must be the same for every epd pod (the router finds workers and encoders in the Redis registry); set redis.external.url instead" }}
@@ -120,6 +125,8 @@ initContainers:
         value: /tmp
       - name: HF_HUB_OFFLINE
         value: "1"
+      - name: NVIDIA_VISIBLE_DEVICES
+        value: void
     securityContext:
       {{- toYaml $root.Values.securityContext | nindent 6 }}
     resources:
