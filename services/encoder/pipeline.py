@@ -11,6 +11,9 @@ Invariants:
   its shielded future, so a cancelled caller never cancels the work others wait for.
 - An embedding is written to the cache before its lock is released, so an encoder waiting on the
   lock finds it; the lock is released on every path.
+- An encoded embedding stays on the model's device (`ItemEmbedding`); the cache write, on an I/O thread,
+  makes its batch's one host copy. `ItemOutcome.for_device` gives a push the device tensor when the
+  transport sends from that device (torch.distributed over NCCL), else the host copy.
 - Every admitted item's slot and tokens are given back exactly once (`Ticket.finish` in finally).
 """
 
@@ -24,6 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch
+
 from services.common.embedding_cache import EmbeddingCache
 from services.common.media import MediaError, MediaReason
 from services.common.priority import lower_priority
@@ -34,7 +39,7 @@ from services.encoder.inflight_lock import InflightLocks
 from services.encoder.load import Admission, Ticket
 from services.encoder.metrics import EncoderMetrics
 from services.encoder.preprocess_pool import PreprocessSettings
-from services.encoder.runner import VisionRunner
+from services.encoder.runner import ItemEmbedding, VisionRunner
 from services.models.base import ModelAdapter
 
 T = TypeVar("T")
@@ -45,8 +50,13 @@ _PEER_POLL_S = (0.005, 0.1)  # first and longest wait between looks at another e
 class ItemOutcome:
     """An item's embedding and where it came from: encoded | cache | joined | peer."""
 
-    embedding: Embedding
+    mm_hash: str
+    embedding: ItemEmbedding
     source: str
+
+    def for_device(self, device: torch.device) -> Embedding:
+        """The embedding as a transport sending from `device` takes it (see `ItemEmbedding.for_device`)."""
+        return Embedding(self.mm_hash, self.embedding.for_device(device))
 
 
 @dataclass(frozen=True)
@@ -70,8 +80,9 @@ class Pipeline:
         self._parts = parts
         self._inflight: dict[str, asyncio.Future[ItemOutcome]] = {}
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="encoder-io")
-        self._cpu = ThreadPoolExecutor(cpu_threads, thread_name_prefix="encoder-prepare",
-                                       initializer=functools.partial(lower_priority, nice))
+        self._cpu = ThreadPoolExecutor(
+            cpu_threads, thread_name_prefix="encoder-prepare", initializer=functools.partial(lower_priority, nice)
+        )
 
     async def embed(self, items: Sequence[encoder_pb2.EncodeItem]) -> list[ItemOutcome]:
         """Embeddings for `items` in order. Raises Overloaded (nothing started), MediaError, or
@@ -89,8 +100,10 @@ class Pipeline:
             task.add_done_callback(lambda done, key=mm_hash: self._settle(key, done))
         futures = [self._inflight[mm_hash] for mm_hash in hashes]
         results = await asyncio.gather(*(asyncio.shield(future) for future in futures))
-        return [result if new.get(mm_hash) == index else ItemOutcome(result.embedding, "joined")
-                for index, (mm_hash, result) in enumerate(zip(hashes, results, strict=True))]
+        return [
+            result if new.get(mm_hash) == index else ItemOutcome(mm_hash, result.embedding, "joined")
+            for index, (mm_hash, result) in enumerate(zip(hashes, results, strict=True))
+        ]
 
     def _settle(self, mm_hash: str, task: asyncio.Future[ItemOutcome]) -> None:
         if self._inflight.get(mm_hash) is task:
@@ -105,23 +118,23 @@ class Pipeline:
         try:
             lookup = await self._off(self._io, parts.cache.get, mm_hash)
             if lookup.tensor is not None:
-                return ItemOutcome(Embedding(mm_hash, lookup.tensor), "cache")
+                return ItemOutcome(mm_hash, ItemEmbedding.from_host(lookup.tensor), "cache")
             while True:
                 if await self._off(self._io, parts.locks.acquire, mm_hash):
                     try:
-                        tensor = await self._encode(slot, index, item, ticket)
+                        embedding = await self._encode(slot, index, item, ticket)
                     finally:
                         await self._off(self._io, parts.locks.release, mm_hash)
                     parts.admission.observe_item_seconds(time.perf_counter() - start)
-                    return ItemOutcome(Embedding(mm_hash, tensor), "encoded")
+                    return ItemOutcome(mm_hash, embedding, "encoded")
                 parts.metrics.peer_waits.add(1)
                 tensor = await self._wait_for_peer(mm_hash)
                 if tensor is not None:
-                    return ItemOutcome(Embedding(mm_hash, tensor), "peer")
+                    return ItemOutcome(mm_hash, ItemEmbedding.from_host(tensor), "peer")
         finally:
             ticket.finish(slot)
 
-    async def _encode(self, slot: int, index: int, item: encoder_pb2.EncodeItem, ticket: Ticket) -> Any:
+    async def _encode(self, slot: int, index: int, item: encoder_pb2.EncodeItem, ticket: Ticket) -> ItemEmbedding:
         parts = self._parts
         decoded = await asyncio.wrap_future(ticket.use_slot(slot).submit(item.data, parts.settings, index=index))
         image = decoded.image()
@@ -130,11 +143,19 @@ class Pipeline:
         parts.metrics.preprocess_seconds.record(decoded.decode_s + time.perf_counter() - start)
         tokens = parts.adapter.image_tokens(image.width, image.height).num_tokens
         if item.ref.num_tokens and item.ref.num_tokens != tokens:
-            raise MediaError(f"the router counted {item.ref.num_tokens} tokens for this image, the encoder "
-                             f"{tokens} (do both run the same model revision?)", MediaReason.CORRUPT, index=index)
-        tensor = await parts.batcher.submit(BatchItem(item.ref.mm_hash, tokens, inputs))
-        await self._off(self._io, parts.cache.put, item.ref.mm_hash, tensor)
-        return tensor
+            raise MediaError(
+                f"the router counted {item.ref.num_tokens} tokens for this image, the encoder "
+                f"{tokens} (do both run the same model revision?)",
+                MediaReason.CORRUPT,
+                index=index,
+            )
+        embedding: ItemEmbedding = await parts.batcher.submit(BatchItem(item.ref.mm_hash, tokens, inputs))
+        await self._off(self._io, self._cache_write, item.ref.mm_hash, embedding)
+        return embedding
+
+    def _cache_write(self, mm_hash: str, embedding: ItemEmbedding) -> None:
+        """Write the host copy (made here, off the event loop, once per batch) to the cache."""
+        self._parts.cache.put(mm_hash, embedding.host())
 
     async def _wait_for_peer(self, mm_hash: str) -> Any:
         """The embedding another encoder is producing, or None once its lock is gone without one.

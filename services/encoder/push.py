@@ -11,6 +11,9 @@ Invariants:
   gRPC; only when that fails too does the request fail.
 - One dist push per worker at a time (an asyncio lock per address), so a pair's control messages
   and sends can never cross.
+- Tensors are sent from where they are when that is the transport's device (`Pusher.device`: the GPU
+  for dist over NCCL, the host otherwise): callers hand over device tensors for NCCL, host copies
+  for the rest, and the pair moves only what is elsewhere (a cache hit to the GPU for NCCL).
 """
 
 from __future__ import annotations
@@ -22,10 +25,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+import torch
 
 from services.common import grpc_server, tensor_codec
 from services.common.rpc.epd.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.common.transport_dist import ENCODER_RANK, DistError, PairChannel, wait_bounded
+from services.common.transport_dist import (
+    ENCODER_RANK,
+    DistError,
+    PairChannel,
+    pair_device,
+    prepare_nccl_environment,
+    wait_bounded,
+)
 from services.common.transport_grpc import Embedding, iter_chunks
 
 
@@ -61,7 +72,12 @@ class Channels:
 
 
 async def push_grpc(channels: Channels, address: str, embeddings: list[Embedding], timeout_s: float) -> int:
-    """Stream `embeddings` in ~1 MiB chunks; returns the bytes the worker acked."""
+    """Stream `embeddings` in ~1 MiB chunks; returns the bytes the worker acked.
+
+    Device tensors (a dist-over-NCCL push falling back) are copied to the host on a thread first.
+    """
+    if any(e.tensor.device.type != "cpu" for e in embeddings):
+        embeddings = await asyncio.to_thread(_on_host, embeddings)
     try:
         ack = await channels.stub(address).PushEmbeddings(iter_chunks(embeddings), timeout=timeout_s)
     except grpc.aio.AioRpcError as exc:
@@ -69,14 +85,28 @@ async def push_grpc(channels: Channels, address: str, embeddings: list[Embedding
     return int(ack.bytes)
 
 
+def _on_host(embeddings: list[Embedding]) -> list[Embedding]:
+    return [Embedding(e.mm_hash, e.tensor.cpu()) for e in embeddings]
+
+
 class DistPush:
     """The encoder side of the torch.distributed transport (see module invariants)."""
 
-    def __init__(self, channels: Channels, backend: str, hostname: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        channels: Channels,
+        backend: str,
+        hostname: str,
+        timeout_s: float,
+        device: str | torch.device | None = None,
+    ) -> None:
         self._channels = channels
         self._backend = backend
         self._hostname = hostname
         self._timeout_s = timeout_s
+        self.device = pair_device(backend, device)
+        if backend == "nccl":
+            prepare_nccl_environment()  # at start-up, before any pair thread
         self._pairs: dict[str, PairChannel] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -106,9 +136,10 @@ class DistPush:
         pair_id = uuid.uuid4().hex
         reply = await self._channels.stub(address).DistConnect(
             worker_pb2.DistConnectRequest(pair_id=pair_id, backend=self._backend, timeout_s=self._timeout_s),
-            timeout=timeout_s)
+            timeout=timeout_s,
+        )
         host, _, port = reply.store_addr.rpartition(":")
-        pair = PairChannel(pair_id, self._backend, ENCODER_RANK, self._timeout_s)
+        pair = PairChannel(pair_id, self._backend, ENCODER_RANK, self._timeout_s, device=self.device)
         try:
             await wait_bounded(pair.open(host, int(port), self._hostname), timeout_s, f"pair set-up with {address}")
         except BaseException:
@@ -122,12 +153,16 @@ class DistPush:
         for embedding in embeddings:
             tag = pair.next_tag()
             tensor = embedding.tensor
-            meta = common_pb2.TensorMeta(dtype=tensor_codec.dtype_name(tensor.dtype), shape=list(tensor.shape),
-                                         nbytes=tensor.numel() * tensor.element_size())
+            meta = common_pb2.TensorMeta(
+                dtype=tensor_codec.dtype_name(tensor.dtype),
+                shape=list(tensor.shape),
+                nbytes=tensor.numel() * tensor.element_size(),
+            )
             items.append(worker_pb2.DistItem(mm_hash=embedding.mm_hash, meta=meta, tag=tag))
             sends.append((tensor, tag))
         control = self._channels.stub(address).PushDist(
-            worker_pb2.DistTransfer(pair_id=pair.pair_id, items=items, timeout_s=self._timeout_s), timeout=timeout_s)
+            worker_pb2.DistTransfer(pair_id=pair.pair_id, items=items, timeout_s=self._timeout_s), timeout=timeout_s
+        )
         sent = wait_bounded(pair.send(sends), timeout_s, f"sending to {address}")
         _, nbytes = await asyncio.gather(control, sent)
         return int(nbytes)
@@ -145,14 +180,27 @@ class DistPush:
 class Pusher:
     """Pushes by the configured transport; `on_result` feeds metrics."""
 
-    def __init__(self, transport: str, dist: DistPush | None, channels: Channels,
-                 on_result: Callable[[PushResult], None] | None = None) -> None:
+    def __init__(
+        self,
+        transport: str,
+        dist: DistPush | None,
+        channels: Channels,
+        on_result: Callable[[PushResult], None] | None = None,
+    ) -> None:
         if transport == "dist" and dist is None:
             raise ValueError("transport 'dist' needs a DistPush")
         self._transport = transport
         self._dist = dist
         self._channels = channels
         self._on_result = on_result or (lambda result: None)
+
+    @property
+    def device(self) -> torch.device:
+        """Where pushed tensors are best handed over: the pair's GPU for dist over NCCL (sent from there,
+        no host round trip), else the host (gRPC and gloo send host bytes)."""
+        if self._transport == "dist" and self._dist is not None:
+            return self._dist.device
+        return torch.device("cpu")
 
     async def push(self, address: str, embeddings: list[Embedding], timeout_s: float) -> PushResult:
         start = time.perf_counter()

@@ -55,8 +55,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         self._metrics.rejections.add(1, {"reason": reason})
         await context.abort(code, message)
 
-    async def Encode(self, request: encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext,
-                     ) -> encoder_pb2.EncodeResponse:
+    async def Encode(
+        self,
+        request: encoder_pb2.EncodeRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> encoder_pb2.EncodeResponse:
         start = time.perf_counter()
         budget = _budget(request, context)
         try:
@@ -67,20 +70,26 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         except MediaError as exc:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid", str(exc))
         except TimeoutError:
-            await self._fail(context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline",
-                             f"encoding {len(request.items)} item(s) took longer than {budget:.1f}s")
+            await self._fail(
+                context,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                "deadline",
+                f"encoding {len(request.items)} item(s) took longer than {budget:.1f}s",
+            )
         except BatcherClosed as exc:
             await self._fail(context, grpc.StatusCode.UNAVAILABLE, "shutdown", str(exc))
         if request.destination and outcomes:
             remaining = budget - (time.perf_counter() - start)
             timeout = max(0.1, min(self._transfer_timeout_s, remaining))
             try:
-                await self._pusher.push(request.destination, [o.embedding for o in outcomes], timeout)
+                device = self._pusher.device  # the GPU for dist over NCCL: fresh embeddings go from there
+                await self._pusher.push(request.destination, [o.for_device(device) for o in outcomes], timeout)
             except PushError as exc:
                 await self._fail(context, grpc.StatusCode.UNAVAILABLE, "push", str(exc))
         encoded = sum(1 for o in outcomes if o.source == "encoded")
-        return encoder_pb2.EncodeResponse(encoded=encoded, cached=len(outcomes) - encoded,
-                                          encode_s=time.perf_counter() - start)
+        return encoder_pb2.EncodeResponse(
+            encoded=encoded, cached=len(outcomes) - encoded, encode_s=time.perf_counter() - start
+        )
 
 
 def _budget(request: encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext) -> float:
@@ -128,7 +137,7 @@ def _pusher(config: EncoderConfig, metrics: EncoderMetrics) -> Pusher:
     dist = None
     if config.embedding_transport == "dist":
         hostname = config.address.rpartition(":")[0] or config.host
-        dist = DistPush(channels, config.dist_backend, hostname, config.transfer_timeout_s)
+        dist = DistPush(channels, config.dist_backend, hostname, config.transfer_timeout_s, device=config.device)
     return Pusher(config.embedding_transport, dist, channels, on_result=metrics.record_push)
 
 
@@ -147,22 +156,43 @@ async def start_encoder(config: EncoderConfig) -> RunningEncoder:
     model = info.adapter.load_model(device=config.device, dtype=dtype_of(config.dtype))
     telemetry = Telemetry("encoder", config.host, config.metrics_port)
     metrics = EncoderMetrics.create(telemetry.meter)
-    cache = EmbeddingCache(CacheSettings(config.redis_url, info.identity.revision,
-                                         max_bytes=config.embedding_cache_bytes, ttl_s=config.embedding_cache_ttl_s),
-                           on_event=metrics.cache_event)
+    cache = EmbeddingCache(
+        CacheSettings(
+            config.redis_url,
+            info.identity.revision,
+            max_bytes=config.embedding_cache_bytes,
+            ttl_s=config.embedding_cache_ttl_s,
+        ),
+        on_event=metrics.cache_event,
+    )
     runner = VisionRunner(info.adapter, model)
     pool = PreprocessPool(config.workers, config.queue, nice=config.compute_nice)
     await asyncio.to_thread(pool.warm_up)
-    batcher = Batcher(runner.encode_inputs, config.max_encoder_tokens_per_batch, config.max_batch_wait_ms / 1000,
-                      on_batch=metrics.record_batch, thread_initializer=functools.partial(lower_priority,
-                                                                                       config.compute_nice))
+    batcher = Batcher(
+        runner.encode_items,
+        config.max_encoder_tokens_per_batch,
+        config.max_batch_wait_ms / 1000,
+        on_batch=metrics.record_batch,
+        thread_initializer=functools.partial(lower_priority, config.compute_nice),
+    )
     batcher.start()
     await _warm_up(runner, batcher)
     admission = Admission(pool, batcher, config.queued_token_cap)
     locks = InflightLocks(config.redis_url, info.identity.revision, cache.key, ttl_s=config.inflight_lock_ttl_s)
-    pipeline = Pipeline(PipelineParts(info.adapter, runner, batcher, cache, locks, admission, metrics,
-                                      PreprocessSettings(MediaLimits(max_pixels=config.max_image_pixels))),
-                        cpu_threads=config.workers, nice=config.compute_nice)
+    pipeline = Pipeline(
+        PipelineParts(
+            info.adapter,
+            runner,
+            batcher,
+            cache,
+            locks,
+            admission,
+            metrics,
+            PreprocessSettings(MediaLimits(max_pixels=config.max_image_pixels)),
+        ),
+        cpu_threads=config.workers,
+        nice=config.compute_nice,
+    )
     pusher = _pusher(config, metrics)
     metrics.observe_load(admission.snapshot)
     servicer = EncoderServicer(pipeline, pusher, metrics, config.transfer_timeout_s)
@@ -170,11 +200,24 @@ async def start_encoder(config: EncoderConfig) -> RunningEncoder:
     running = await grpc_server.start_server(config.host, config.port, [binding])
     address = config.advertise_addr or f"{config.host}:{running.port}"
     registry = Registry(config.redis_url, ttl_s=max(1.0, 5 * config.heartbeat_interval_s))
-    heartbeat = Heartbeat(registry, "encoder", address, info.identity.revision,
-                          lambda: admission.snapshot().as_state(), config.heartbeat_interval_s)
+    heartbeat = Heartbeat(
+        registry,
+        "encoder",
+        address,
+        info.identity.revision,
+        lambda: admission.snapshot().as_state(),
+        config.heartbeat_interval_s,
+    )
     heartbeat.start()
     gc.freeze()  # the model, tokenizer and libraries never die: keep full collections off their objects
-    log.info("encoder serving on %s (model %s, %d decode processes, queue %d, transport %s)", address,
-             info.model_dir, config.workers, config.queue, config.embedding_transport)
-    return RunningEncoder(running, heartbeat, batcher, pipeline, pool, pusher, telemetry,
-                          (cache.close, locks.close, registry.close))
+    log.info(
+        "encoder serving on %s (model %s, %d decode processes, queue %d, transport %s)",
+        address,
+        info.model_dir,
+        config.workers,
+        config.queue,
+        config.embedding_transport,
+    )
+    return RunningEncoder(
+        running, heartbeat, batcher, pipeline, pool, pusher, telemetry, (cache.close, locks.close, registry.close)
+    )

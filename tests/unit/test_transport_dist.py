@@ -8,6 +8,9 @@ tests/integration/test_encoder_pool.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import os
 import time
 import uuid
 
@@ -19,11 +22,17 @@ from services.common import grpc_server
 from services.common.rpc.epd.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.transport_dist import (
     ENCODER_RANK,
+    NCCL_ENVIRONMENT,
     DistError,
     DistReceiver,
     PairChannel,
     ReceiverAddress,
+    _wire_bytes,
     as_tensor,
+    nccl_environment,
+    pair_device,
+    prepare_nccl_environment,
+    tensor_spec,
 )
 from services.common.transport_grpc import Embedding
 from services.encoder.push import Channels, DistPush, Pusher, PushError, PushResult
@@ -33,8 +42,11 @@ LOCAL = ReceiverAddress("127.0.0.1", "127.0.0.1")
 
 
 def _meta(tensor: torch.Tensor) -> common_pb2.TensorMeta:
-    return common_pb2.TensorMeta(dtype=str(tensor.dtype).removeprefix("torch."), shape=list(tensor.shape),
-                                 nbytes=tensor.numel() * tensor.element_size())
+    return common_pb2.TensorMeta(
+        dtype=str(tensor.dtype).removeprefix("torch."),
+        shape=list(tensor.shape),
+        nbytes=tensor.numel() * tensor.element_size(),
+    )
 
 
 def _pair(receiver: DistReceiver, timeout_s: float = 20.0) -> PairChannel:
@@ -65,9 +77,14 @@ def test_gloo_pair_moves_every_dtype_bit_identically() -> None:
 
     async def go() -> list[Embedding]:
         tags = [sender.next_tag() for _ in tensors]
-        request = worker_pb2.DistTransfer(pair_id=sender.pair_id, timeout_s=20, items=[
-            worker_pb2.DistItem(mm_hash=f"h{i}", meta=_meta(t), tag=tag)
-            for i, (t, tag) in enumerate(zip(tensors, tags, strict=True))])
+        request = worker_pb2.DistTransfer(
+            pair_id=sender.pair_id,
+            timeout_s=20,
+            items=[
+                worker_pb2.DistItem(mm_hash=f"h{i}", meta=_meta(t), tag=tag)
+                for i, (t, tag) in enumerate(zip(tensors, tags, strict=True))
+            ],
+        )
         sent = asyncio.wrap_future(sender.send(list(zip(tensors, tags, strict=True))))
         received, nbytes = await asyncio.gather(receiver.receive(request), sent)
         assert nbytes == sum(t.numel() * t.element_size() for t in tensors)
@@ -78,6 +95,9 @@ def test_gloo_pair_moves_every_dtype_bit_identically() -> None:
         for i, (tensor, embedding) in enumerate(zip(tensors, received, strict=True)):
             assert embedding.mm_hash == f"h{i}"
             assert digest(embedding.tensor) == digest(tensor)
+            # received straight into a tensor of its own dtype and shape: no byte buffer behind it, no copy after
+            assert embedding.tensor.dtype == tensor.dtype and embedding.tensor.shape == tensor.shape
+            assert embedding.tensor._base is None
     finally:
         sender.close()
         receiver.close()
@@ -87,8 +107,9 @@ def test_a_stalled_transfer_fails_in_bounded_time_and_drops_the_pair() -> None:
     receiver = DistReceiver(LOCAL)
     sender = _pair(receiver, timeout_s=1.0)
     tensor = torch.ones(4)
-    request = worker_pb2.DistTransfer(pair_id=sender.pair_id, timeout_s=1.0, items=[
-        worker_pb2.DistItem(mm_hash="never", meta=_meta(tensor), tag=99)])
+    request = worker_pb2.DistTransfer(
+        pair_id=sender.pair_id, timeout_s=1.0, items=[worker_pb2.DistItem(mm_hash="never", meta=_meta(tensor), tag=99)]
+    )
     try:
         start = time.perf_counter()
         with pytest.raises(DistError, match="timed out|failed"):
@@ -180,8 +201,9 @@ def test_pusher_falls_back_to_grpc_and_fails_clearly_when_both_fail() -> None:
         address = f"127.0.0.1:{running.port}"
         channels = Channels()
         results: list[PushResult] = []
-        pusher = Pusher("dist", DistPush(channels, "gloo", "127.0.0.1", timeout_s=5), channels,
-                        on_result=results.append)
+        pusher = Pusher(
+            "dist", DistPush(channels, "gloo", "127.0.0.1", timeout_s=5), channels, on_result=results.append
+        )
         try:
             tensor = torch.randn(2 << 20)  # 8 MiB: several gRPC chunks
             result = await pusher.push(address, [Embedding("x", tensor)], 10)
@@ -198,3 +220,123 @@ def test_pusher_falls_back_to_grpc_and_fails_clearly_when_both_fail() -> None:
             servicer.dist.close()
 
     asyncio.run(go())
+
+
+# --- failure handling and NCCL settings -------------------------------------------------------------------
+
+
+def _request(pair: PairChannel, tensor: torch.Tensor, tag: int, timeout_s: float) -> worker_pb2.DistTransfer:
+    item = worker_pb2.DistItem(mm_hash=f"item-{tag}", meta=_meta(tensor), tag=tag)
+    return worker_pb2.DistTransfer(pair_id=pair.pair_id, timeout_s=timeout_s, items=[item])
+
+
+def _transfer(receiver: DistReceiver, sender: PairChannel, tensor: torch.Tensor, timeout_s: float = 20) -> torch.Tensor:
+    async def go() -> torch.Tensor:
+        tag = sender.next_tag()
+        sent = asyncio.wrap_future(sender.send([(tensor, tag)]))
+        received, _ = await asyncio.gather(receiver.receive(_request(sender, tensor, tag, timeout_s)), sent)
+        return received[0].tensor
+
+    return asyncio.run(go())
+
+
+def test_close_while_the_peer_stalls_returns_at_once_and_the_process_carries_on() -> None:
+    receiver = DistReceiver(LOCAL)
+    stalled = _pair(receiver, timeout_s=2.0)
+    tensor = torch.arange(64, dtype=torch.float32)
+    request = _request(stalled, tensor, 7, 2.0)
+
+    async def go() -> tuple[float, float]:
+        pending = asyncio.ensure_future(receiver.receive(request))  # the worker waits; the encoder never sends
+        await asyncio.sleep(0.3)
+        start = time.perf_counter()
+        receiver.drop(stalled.pair_id)  # closes the worker side while its recv is blocked
+        stalled.close()
+        closed_in = time.perf_counter() - start
+        with pytest.raises(DistError):
+            await pending  # bounded: ends by the pair's own timeout (gloo cannot interrupt a wait)
+        return closed_in, time.perf_counter() - start
+
+    fresh = None
+    try:
+        closed_in, failed_in = asyncio.run(go())
+        assert closed_in < 0.2 and failed_in < 6
+        with pytest.raises(DistError, match="closed"):
+            stalled.send([(tensor, 1)])  # a closed pair refuses work with the transport's own error
+        fresh = _pair(receiver)  # the process, its store and its receiver carry on: a new pair works
+        assert torch.equal(_transfer(receiver, fresh, tensor), tensor)
+    finally:
+        for pair in (stalled, fresh):
+            if pair is not None:
+                pair.close()
+        receiver.close()
+
+
+def test_a_failed_pair_raises_dist_error_and_a_new_pair_works() -> None:
+    receiver = DistReceiver(LOCAL)
+    first = _pair(receiver, timeout_s=1.0)
+    tensor = torch.randn(3, 5).to(torch.bfloat16)
+    second = None
+    try:
+        sent = first.send([(tensor, 99)])  # nobody receives tag 99 on the other side
+        with pytest.raises(DistError, match="failed|timed out"):
+            asyncio.run(receiver.receive(_request(first, tensor, 5, 1.0)))  # tag 5 never comes: fails, dropped
+        first.close()
+        with contextlib.suppress(DistError):  # gloo may have written the bytes before the peer went; no hang
+            sent.result(timeout=10)
+        second = _pair(receiver)
+        assert torch.equal(_transfer(receiver, second, tensor), tensor)
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+        receiver.close()
+
+
+def test_nccl_environment_turns_fatal_error_handling_into_clean_up() -> None:
+    assert nccl_environment({}) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0"}
+    assert nccl_environment({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_ENABLE_MONITORING": "0"}) == {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"
+    }
+    assert nccl_environment({**NCCL_ENVIRONMENT, "NCCL_DEBUG": "INFO"}) == {}
+
+
+def test_prepare_nccl_environment_sets_and_says_what_it_overrides(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # TearDown: would end the process
+    monkeypatch.delenv("TORCH_NCCL_ENABLE_MONITORING", raising=False)
+    with caplog.at_level(logging.WARNING, logger="services.common.transport_dist"):
+        prepare_nccl_environment()
+        prepare_nccl_environment()  # idempotent
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert os.environ["TORCH_NCCL_ENABLE_MONITORING"] == "0"
+    assert [r.message for r in caplog.records if "overridden" in r.message] == [
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING=1 overridden with 2: a failed embedding pair must not end the process"
+    ]
+
+
+def test_pair_devices() -> None:
+    assert pair_device("gloo") == torch.device("cpu")
+    assert pair_device("gloo", "cuda:1") == torch.device("cpu")
+    assert pair_device("nccl", "cuda:1") == torch.device("cuda", 1)
+    assert pair_device("nccl", "cpu").type == "cuda"
+    if not torch.cuda.is_available():
+        assert pair_device("nccl") == torch.device("cuda")
+
+
+def test_tensors_go_on_the_wire_without_copies() -> None:
+    tensor = torch.randn(4, 6).to(torch.bfloat16)
+    wire = _wire_bytes(tensor, torch.device("cpu"))
+    assert wire.dtype == torch.uint8 and wire.numel() == tensor.nbytes and wire.data_ptr() == tensor.data_ptr()
+    strided = torch.randn(6, 4).t()  # not contiguous: one copy, needed
+    copied = _wire_bytes(strided, torch.device("cpu"))
+    assert copied.data_ptr() != strided.data_ptr() and torch.equal(copied.view(torch.float32).view(4, 6), strided)
+
+
+def test_tensor_spec_checks_the_message() -> None:
+    assert tensor_spec(common_pb2.TensorMeta(dtype="bfloat16", shape=[3, 2], nbytes=12)) == (torch.bfloat16, (3, 2))
+    with pytest.raises(DistError, match="needs 24 bytes"):
+        tensor_spec(common_pb2.TensorMeta(dtype="float32", shape=[3, 2], nbytes=12))
+    with pytest.raises(DistError, match="unsupported"):
+        tensor_spec(common_pb2.TensorMeta(dtype="int64", shape=[3], nbytes=24))

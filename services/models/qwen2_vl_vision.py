@@ -1,0 +1,150 @@
+"""The Qwen2-VL / Qwen2.5-VL vision tower over a batch, with every shape-derived input planned on the host.
+
+Left to itself the tower derives, on the device, from ``grid_thw``: cu_seqlens and max_seqlen, the rotary
+position ids and (Qwen2.5-VL) the window index, cu_window_seqlens and their max, each with ``.tolist()`` /
+``.item()`` host syncs; `get_image_features` adds one more to split the output. `plan_vision` computes
+all of them on the host from the items' known grids (transformers' own `vision_utils` functions run on a
+CPU grid, so the numbers are the ones the tower would compute), and `run_vision_tower` hands them to the
+tower as its precomputed keyword arguments.
+
+`run_vision_tower` moves inputs with one host-to-device copy for the pixels (concatenated and cast to the
+model dtype in one pass into a pinned buffer on CUDA, copied non-blocking) and one for the plan's
+integers (one pinned int32 buffer), calls the tower once, and splits the merged output by host-known row
+counts: nothing in it waits for the device. Its output stays on the device (views of one tensor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+try:
+    from transformers import vision_utils
+except ImportError:  # an older transformers: its tower derives these inputs itself (see `planning_available`)
+    vision_utils = None
+
+WINDOWED_TYPES = ("qwen2_5_vl_vision",)
+"""Vision configs whose tower has window-attention layers (window index, cu_window_seqlens)."""
+
+
+@dataclass(frozen=True)
+class VisionPlan:
+    """What the tower needs besides pixels, for a batch of items, as host tensors and host ints.
+
+    ``position_ids [P, 2]`` (P patches), ``cu_seqlens [S+1]`` int32 over the S frames; with windows
+    ``window_index [P / merge**2]`` and ``cu_window_seqlens`` int32. ``rows`` is each item's output rows.
+    """
+
+    grid_thw: torch.Tensor
+    rows: list[int]
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    window_index: torch.Tensor | None = None
+    cu_window_seqlens: torch.Tensor | None = None
+    max_window_seqlen: int | None = None
+
+    @property
+    def patches(self) -> int:
+        return int(self.position_ids.shape[0])
+
+    def int_tensors(self) -> list[torch.Tensor]:
+        """The integer tensors the device needs, in a fixed order (see `on_device`)."""
+        parts = [self.position_ids, self.cu_seqlens]
+        if self.window_index is not None and self.cu_window_seqlens is not None:
+            parts += [self.window_index, self.cu_window_seqlens]
+        return parts
+
+    def tower_kwargs(self, device_ints: list[torch.Tensor]) -> dict[str, Any]:
+        """The tower's precomputed keyword arguments, given `int_tensors` on the device (same order)."""
+        kwargs: dict[str, Any] = {
+            "position_ids": device_ints[0].view(-1, 2),
+            "cu_seqlens": device_ints[1],
+            "max_seqlen": self.max_seqlen,
+        }
+        if self.window_index is not None:
+            kwargs["window_index"] = device_ints[2].long()  # int32 on the wire, long for indexing
+            kwargs["cu_window_seqlens"] = device_ints[3]
+            kwargs["max_window_seqlen"] = self.max_window_seqlen
+        return kwargs
+
+
+def planning_available() -> bool:
+    """Whether this transformers can take the planned inputs (its `vision_utils`, 5.24 here)."""
+    return vision_utils is not None
+
+
+def plan_vision(grids: list[tuple[int, int, int]], vision_config: Any) -> VisionPlan:
+    """The tower inputs for items with these ``(t, h, w)`` patch grids, computed on the host.
+
+    Raises ValueError for an empty batch or a grid the spatial merge does not divide.
+    """
+    if not grids:
+        raise ValueError("a vision batch needs at least one item")
+    merge = int(vision_config.spatial_merge_size)
+    for t, h, w in grids:
+        if t < 1 or h < 1 or w < 1 or h % merge or w % merge:
+            raise ValueError(f"grid {(t, h, w)} is not a positive multiple of the spatial merge {merge}")
+    grid = torch.tensor(grids, dtype=torch.long)
+    cu_seqlens = vision_utils.get_vision_cu_seqlens(grid)
+    position_ids = vision_utils.get_vision_position_ids(grid, merge)
+    window_index = cu_window = max_window = None
+    if vision_config.model_type in WINDOWED_TYPES:
+        window_index, cu_window = vision_utils.get_vision_window_index(
+            grid, merge, int(vision_config.window_size), int(vision_config.patch_size)
+        )
+        max_window = _max_length(cu_window)
+    return VisionPlan(
+        grid_thw=grid,
+        rows=[t * h * w // (merge * merge) for t, h, w in grids],
+        position_ids=position_ids.to(torch.int32),
+        cu_seqlens=cu_seqlens.to(torch.int32),
+        max_seqlen=_max_length(cu_seqlens),
+        window_index=None if window_index is None else window_index.to(torch.int32),
+        cu_window_seqlens=None if cu_window is None else cu_window.to(torch.int32),
+        max_window_seqlen=max_window,
+    )
+
+
+def _max_length(cu_seqlens: torch.Tensor) -> int:
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+
+
+def stage(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``parts`` (same trailing shape) concatenated along dim 0 as one ``dtype`` tensor on ``device``.
+
+    One pass on the host (concatenate and cast together), into pinned memory when ``device`` is CUDA, then
+    one non-blocking host-to-device copy; on the CPU the concatenation itself.
+    """
+    rows = sum(int(p.shape[0]) for p in parts)
+    pinned = device.type == "cuda"
+    host = torch.empty((rows, *parts[0].shape[1:]), dtype=dtype, pin_memory=pinned)
+    torch.cat(parts, out=host)
+    return host if device.type == "cpu" else host.to(device, non_blocking=pinned)
+
+
+def stage_ints(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Integer tensors on ``device`` with one copy: flattened into one int32 buffer, staged, viewed back."""
+    flat = stage([p.reshape(-1).to(torch.int32) for p in parts], torch.int32, device)
+    out, start = [], 0
+    for part in parts:
+        out.append(flat[start : start + part.numel()].view(part.shape))
+        start += part.numel()
+    return out
+
+
+def run_vision_tower(visual: torch.nn.Module, pixels: list[torch.Tensor], plan: VisionPlan) -> list[torch.Tensor]:
+    """One tower call over the items' pixel rows; each item's merged embedding ``[rows_i, out_hidden]`` on the
+    tower's device (views of one tensor), in order. Raises ValueError when pixels and plan disagree."""
+    weight = visual.patch_embed.proj.weight
+    if sum(int(p.shape[0]) for p in pixels) != plan.patches:
+        raise ValueError(f"{sum(int(p.shape[0]) for p in pixels)} pixel rows for {plan.patches} planned patches")
+    device_pixels = stage(pixels, weight.dtype, weight.device)
+    kwargs = plan.tower_kwargs(stage_ints(plan.int_tensors(), weight.device))
+    # grid_thw stays on the host: with every derived input given, the tower never reads it
+    merged = visual(device_pixels, grid_thw=plan.grid_thw, **kwargs).pooler_output
+    if merged.shape[0] != sum(plan.rows):
+        raise RuntimeError(f"vision tower returned {merged.shape[0]} rows, the plan has {sum(plan.rows)}")
+    return list(merged.split(plan.rows))
