@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import torch
-from PIL import Image
+
+if TYPE_CHECKING:  # PIL only for annotations: the worker's model side runs without it
+    from PIL import Image
 
 
 class PromptError(ValueError):

@@ -3,16 +3,15 @@
 Both families share the image processor (Qwen2VLImageProcessor), the chat template conventions
 (`<|vision_start|><|image_pad|><|vision_end|>` per image), the M-RoPE rule for images and the module
 layout `model.model.{visual, language_model}` + `model.lm_head`; Qwen2.5-VL only differs inside the
-vision tower (window attention), which `get_image_features` hides.
+vision tower (window attention), whose inputs `qwen2_vl_vision.plan_vision` computes on the host.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from PIL import Image
 
 from services.models import mrope
 from services.models.base import (
@@ -28,6 +27,10 @@ from services.models.base import (
 from services.models.loading import load_folder_parts
 from services.models.prompt import check_no_special_text, count_image_parts, expand_placeholders
 from services.models.qwen2_vl_resize import smart_resize
+from services.models.qwen2_vl_vision import plan_vision, planning_available, run_vision_tower
+
+if TYPE_CHECKING:  # PIL only for annotations: the worker's model side runs without it
+    from PIL import Image
 
 
 class Qwen2VLAdapter:
@@ -39,8 +42,10 @@ class Qwen2VLAdapter:
     image processor produces for a w x h image.
     """
 
-    def __init__(self, model_dir: Path, config: Any, tokenizer: Any, image_processor: Any, eos: list[int]) -> None:
-        self.model_dir = Path(model_dir)
+    def __init__(
+        self, model_dir: Path | None, config: Any, tokenizer: Any | None, image_processor: Any | None, eos: list[int]
+    ) -> None:
+        self.model_dir = Path(model_dir) if model_dir is not None else None
         self.config = config
         self.tokenizer = tokenizer
         self.image_processor = image_processor
@@ -53,14 +58,25 @@ class Qwen2VLAdapter:
         self.patch_size: int = int(vision.patch_size)
         self.merge_size: int = int(vision.spatial_merge_size)
         self.temporal_patch_size: int = int(vision.temporal_patch_size)
-        self._check_processor_matches_model()
-        self._special_tokens = sorted(set(tokenizer.added_tokens_encoder) | set(tokenizer.all_special_tokens))
+        self._special_tokens: list[str] = []
+        if image_processor is not None:
+            self._check_processor_matches_model()
+        if tokenizer is not None:
+            self._special_tokens = sorted(set(tokenizer.added_tokens_encoder) | set(tokenizer.all_special_tokens))
 
     @classmethod
     def from_folder(cls, model_dir: Path) -> Qwen2VLAdapter:
         """Read config, tokenizer, image processor and eos ids from `model_dir` (no weights)."""
         parts = load_folder_parts(Path(model_dir))
         return cls(parts.model_dir, parts.config, parts.tokenizer, parts.image_processor, parts.eos_token_ids)
+
+    @classmethod
+    def from_config(cls, config: Any) -> Qwen2VLAdapter:
+        """The model side only, from a transformers config (no folder, tokenizer or processor): encoding pixel
+        inputs and running the language model over token ids work; building prompts and preprocessing images
+        do not (the GPU check builds its models this way)."""
+        eos = config.get_text_config().eos_token_id
+        return cls(None, config, None, None, list(eos) if isinstance(eos, list | tuple) else [int(eos)])
 
     # ----- accounting (router) -----
 
@@ -150,15 +166,20 @@ class Qwen2VLAdapter:
         return PixelInputs(pixel_values=out["pixel_values"], grid_thw=expected.grid_thw)
 
     def encode(self, model: torch.nn.Module, items: list[PixelInputs]) -> list[torch.Tensor]:
-        """One vision forward for all items; returns one `[num_tokens_i, hidden]` tensor per item."""
+        """One vision forward for all items; returns one `[num_tokens_i, hidden]` tensor per item.
+
+        The tower's shape-derived inputs are planned on the host from the items' grids and its output split
+        by host-known counts (`qwen2_vl_vision`), so nothing here waits for the device; one host-to-device
+        copy of the pixels. The results stay on the model's device: views of one merged tensor.
+        """
         if not items:
             return []
-        param = next(model.parameters())
-        pixels = torch.cat([item.pixel_values for item in items]).to(param.device)
-        grids = torch.tensor([item.grid_thw for item in items], dtype=torch.long, device=param.device)
         with torch.no_grad():
-            features = model.model.get_image_features(pixels, grids).pooler_output
-        out = list(features)
+            if planning_available():
+                plan = plan_vision([item.grid_thw for item in items], model.config.vision_config)
+                out = run_vision_tower(model.model.visual, [item.pixel_values for item in items], plan)
+            else:  # an older transformers (a GPU machine's): the tower plans itself, with host syncs
+                out = self._encode_unplanned(model, items)
         for index, (item, rows) in enumerate(zip(items, out, strict=True)):
             expected = mrope.item_length(item.grid_thw, self.merge_size)
             if rows.shape != (expected, self.hidden_size):
@@ -167,12 +188,19 @@ class Qwen2VLAdapter:
 
     # ----- language model (worker) -----
 
+    def _encode_unplanned(self, model: torch.nn.Module, items: list[PixelInputs]) -> list[torch.Tensor]:
+        visual = model.model.visual
+        pixels = torch.cat([item.pixel_values for item in items]).to(visual.patch_embed.proj.weight)
+        grids = torch.tensor([item.grid_thw for item in items], dtype=torch.long, device=pixels.device)
+        return list(model.model.get_image_features(pixels, grids).pooler_output)
+
     def embed_prompt(
         self, model: torch.nn.Module, token_ids: torch.Tensor, placed: list[PlacedEmbedding]
     ) -> torch.Tensor:
         """Input embeddings `[L, hidden]` for 1-D `token_ids`, with each placed embedding's rows swapped in.
 
-        Raises ValueError when a placed embedding runs past the ids or covers a non-image token.
+        Raises ValueError when a placed embedding runs past the ids. Reads no device value: that the rows
+        cover image placeholders is the caller's check on its host-side ids (the engine's at add_request).
         """
         if token_ids.dim() != 1:
             raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
@@ -185,8 +213,6 @@ class Qwen2VLAdapter:
             end = item.offset + count
             if item.offset < 0 or end > ids.shape[0]:
                 raise ValueError(f"placed embedding {index} spans {item.offset}..{end}, outside {ids.shape[0]} ids")
-            if bool((ids[item.offset : end] != self.image_token_id).any()):
-                raise ValueError(f"placed embedding {index} covers tokens that are not image placeholders")
             rows[item.offset : end] = item.embedding.to(device=rows.device, dtype=rows.dtype)
         return rows
 

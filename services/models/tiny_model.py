@@ -42,8 +42,9 @@ _FAMILIES: dict[str, _Family] = {
 TINY_FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
 
 
-def make_tiny_model(out_dir: Path, family: str, max_pixels: int | None = None, seed: int = 0,
-                    text_width: int = 64, text_layers: int = 2) -> Path:
+def make_tiny_model(
+    out_dir: Path, family: str, max_pixels: int | None = None, seed: int = 0, text_width: int = 64, text_layers: int = 2
+) -> Path:
     """Write a tiny random model folder for `family` ("qwen2-vl" or "qwen2.5-vl") into `out_dir`.
 
     `max_pixels` caps the image processor's resize (default 1280*28*28, as the released models);
@@ -60,12 +61,13 @@ def make_tiny_model(out_dir: Path, family: str, max_pixels: int | None = None, s
     if cap < DEFAULT_MIN_PIXELS:
         raise ValueError(f"max_pixels must be at least {DEFAULT_MIN_PIXELS}, got {cap}")
     if text_width <= 0 or text_width % 64 or text_layers <= 0:
-        raise ValueError(f"text_width must be a positive multiple of 64 and text_layers positive, "
-                         f"got {text_width} and {text_layers}")
+        raise ValueError(
+            f"text_width must be a positive multiple of 64 and text_layers positive, got {text_width} and {text_layers}"
+        )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     info = save_tokenizer(out_dir, _VOCAB_TARGET, _MAX_POSITIONS)
-    config = _model_config(spec, info, text_width, text_layers)
+    config = tiny_config(family, info, text_width, text_layers)
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", _generation_config(info))
     _write_json(out_dir / "preprocessor_config.json", _preprocessor_config(cap))
@@ -73,7 +75,12 @@ def make_tiny_model(out_dir: Path, family: str, max_pixels: int | None = None, s
     return out_dir
 
 
-def _model_config(spec: _Family, info: TinyTokenizerInfo, width: int, layers: int) -> dict[str, Any]:
+def tiny_config(family: str, info: TinyTokenizerInfo, width: int = 64, layers: int = 2) -> dict[str, Any]:
+    """The config.json of a tiny `family` model for the tokenizer `info` describes (`width` and `layers` as in
+    `make_tiny_model`); also what models built in memory, with no folder, start from."""
+    spec = _FAMILIES.get(family)
+    if spec is None:
+        raise ValueError(f"unknown tiny model family {family!r}; choose one of {', '.join(TINY_FAMILIES)}")
     ids = info.special_ids
     scale = width // 64  # head_dim is 16 x scale
     text = {
@@ -91,8 +98,11 @@ def _model_config(spec: _Family, info: TinyTokenizerInfo, width: int, layers: in
         "use_sliding_window": False,
         "tie_word_embeddings": False,
         # head_dim 16 (x scale): the rotary half (8 frequencies) splits over the t, h, w axes.
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
-                            "mrope_section": [2 * scale, 3 * scale, 3 * scale]},
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1000000.0,
+            "mrope_section": [2 * scale, 3 * scale, 3 * scale],
+        },
         "bos_token_id": ids["<|endoftext|>"],
         "eos_token_id": ids["<|im_end|>"],
         "pad_token_id": ids["<|endoftext|>"],

@@ -67,13 +67,19 @@ class FetchFailed:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, loop: EngineLoop, store: EmbeddingStore, config: WorkerConfig, metrics: WorkerMetrics,
-                 dist: DistReceiver | None = None) -> None:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        store: EmbeddingStore,
+        config: WorkerConfig,
+        metrics: WorkerMetrics,
+        dist: DistReceiver | None = None,
+    ) -> None:
         self._loop = loop
         self._store = store
         self._config = config
         self._metrics = metrics
-        self._dist = dist or DistReceiver.for_service(config.host, config.address)
+        self._dist = dist or DistReceiver.for_service(config.host, config.address, device=config.device)
         self._outbox: LoopMailbox | None = None
 
     def _mailbox(self) -> LoopMailbox:
@@ -86,26 +92,33 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """The most blocks one request could ever reserve here."""
         return math.floor(self._loop.kv_state.total_blocks * self._config.overcommit)
 
-    async def _admit(self, request: worker_pb2.WorkerRequest, context: grpc.aio.ServicerContext,
-                     outputs: asyncio.Queue) -> float:
+    async def _admit(
+        self, request: worker_pb2.WorkerRequest, context: grpc.aio.ServicerContext, outputs: asyncio.Queue
+    ) -> float:
         """Reserve and enqueue the request; returns the admission time (worker clock) or aborts the RPC."""
         projected = len(request.token_ids) + request.sampling.max_tokens
-        needed = -(-projected // self._config.block_size)
+        needed = -(-projected // self._loop.kv_state.block_size)
         if needed > self.capacity_blocks():
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"request needs {needed} KV blocks ({projected} tokens); this worker holds "
-                                f"at most {self.capacity_blocks()}")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"request needs {needed} KV blocks ({projected} tokens); this worker holds "
+                f"at most {self.capacity_blocks()}",
+            )
         mailbox = self._mailbox()
         try:
-            admitted = await asyncio.wrap_future(self._loop.add_admitted(
-                engine_request(request), projected, lambda out: mailbox.post(outputs.put_nowait, out)))
+            admitted = await asyncio.wrap_future(
+                self._loop.add_admitted(
+                    engine_request(request), projected, lambda out: mailbox.post(outputs.put_nowait, out)
+                )
+            )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if admitted is None:
             state = self._loop.kv_state
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"worker has {state.total_blocks - state.reserved_blocks} unreserved KV blocks, "
-                                f"request needs {needed}")
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"worker has {state.total_blocks - state.reserved_blocks} unreserved KV blocks, request needs {needed}",
+            )
         return admitted
 
     async def Generate(self, request: worker_pb2.WorkerRequest, context: grpc.aio.ServicerContext):
@@ -138,9 +151,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if finished:
                     self._record_finished(len(request.token_ids), last.cached_tokens, generated)
                 yield worker_pb2.WorkerResponse(
-                    token_ids=token_ids, finished=last.finished, finish_reason=last.finish_reason or "",
-                    cached_tokens=last.cached_tokens, prefill_s=time.perf_counter() - start,
-                    state_at=self._loop.finished_at.pop(request.request_id, 0.0) if finished else 0.0)
+                    token_ids=token_ids,
+                    finished=last.finished,
+                    finish_reason=last.finish_reason or "",
+                    cached_tokens=last.cached_tokens,
+                    prefill_s=time.perf_counter() - start,
+                    state_at=self._loop.finished_at.pop(request.request_id, 0.0) if finished else 0.0,
+                )
                 if finished:
                     return
         finally:
@@ -188,15 +205,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad embedding stream: {exc}")
         return worker_pb2.PushAck(items=items, bytes=assembler.total_bytes)
 
-    async def DistConnect(self, request: worker_pb2.DistConnectRequest, context: grpc.aio.ServicerContext,
-                          ) -> worker_pb2.DistConnectReply:
+    async def DistConnect(
+        self,
+        request: worker_pb2.DistConnectRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> worker_pb2.DistConnectReply:
         try:
             return self._dist.connect(request)
         except (DistError, RuntimeError, ValueError) as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"torch.distributed pair set-up failed: {exc}")
 
-    async def PushDist(self, request: worker_pb2.DistTransfer, context: grpc.aio.ServicerContext,
-                       ) -> worker_pb2.PushAck:
+    async def PushDist(
+        self,
+        request: worker_pb2.DistTransfer,
+        context: grpc.aio.ServicerContext,
+    ) -> worker_pb2.PushAck:
         try:
             embeddings = await self._dist.receive(request)
         except DistError as exc:
@@ -210,8 +233,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def close(self) -> None:
         self._dist.close()
 
-    async def Abort(self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext,
-                    ) -> worker_pb2.AbortReply:
+    async def Abort(
+        self,
+        request: worker_pb2.AbortRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> worker_pb2.AbortReply:
         found = await asyncio.wrap_future(self._loop.submit(lambda engine: engine.abort(request.request_id)))
         return worker_pb2.AbortReply(found=bool(found))
 
@@ -233,10 +259,19 @@ class RunningWorker:
 
 
 def engine_config(config: WorkerConfig) -> EngineConfig:
-    return EngineConfig(block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes,
-                        max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-                        overcommit=config.overcommit, enable_prefix_caching=config.enable_prefix_caching,
-                        dtype=config.dtype, device=config.device, attention_backend=config.attention_backend)
+    return EngineConfig(
+        block_size=config.block_size,
+        kv_cache_bytes=config.kv_cache_bytes,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        overcommit=config.overcommit,
+        enable_prefix_caching=config.enable_prefix_caching,
+        dtype=config.dtype,
+        device=config.device,
+        attention_backend=config.attention_backend,
+        cuda_graphs="auto" if config.cuda_graphs else "off",
+    )
 
 
 async def start_worker(config: WorkerConfig) -> RunningWorker:
@@ -244,16 +279,22 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
     info = load_model_info(config.model)
     model = info.adapter.load_model(device=config.device, dtype=dtype_of(config.dtype))
     telemetry = Telemetry("worker", config.host, config.metrics_port)
-    cache = EmbeddingCache(CacheSettings(config.redis_url, info.identity.revision,
-                                         max_bytes=config.embedding_cache_bytes,
-                                         ttl_s=config.embedding_cache_ttl_s))
+    cache = EmbeddingCache(
+        CacheSettings(
+            config.redis_url,
+            info.identity.revision,
+            max_bytes=config.embedding_cache_bytes,
+            ttl_s=config.embedding_cache_ttl_s,
+        )
+    )
     loop = EngineLoop(Engine(info.adapter, model, engine_config(config)), nice=config.compute_nice)
     loop.start()
     metrics = WorkerMetrics.create(telemetry.meter, lambda: loop.kv_state)
     store = EmbeddingStore(cache)
     servicer = WorkerServicer(loop, store, config, metrics)
-    local_encoder = LocalEncoderServicer(VisionRunner(info.adapter, model), store, cache,
-                                         MediaLimits(max_pixels=config.max_image_pixels), config.address)
+    local_encoder = LocalEncoderServicer(
+        VisionRunner(info.adapter, model), store, cache, MediaLimits(max_pixels=config.max_image_pixels), config.address
+    )
     bindings = [
         grpc_server.ServiceBinding(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "epd.v1.Worker"),
         grpc_server.ServiceBinding(encoder_pb2_grpc.add_EncoderServicer_to_server, local_encoder, "epd.v1.Encoder"),
@@ -264,11 +305,28 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
 
     def state() -> dict:
         snapshot = loop.snapshot
-        return {**dataclasses.asdict(snapshot.state), "capacity_blocks": servicer.capacity_blocks(),
-                "snapshot_at": snapshot.at}
+        return {
+            **dataclasses.asdict(snapshot.state),
+            "capacity_blocks": servicer.capacity_blocks(),
+            "snapshot_at": snapshot.at,
+        }
 
-    heartbeat = Heartbeat(Registry(config.redis_url, ttl_s=max(1.0, 5 * config.heartbeat_interval_s)),
-                          "worker", address, info.identity.revision, state, config.heartbeat_interval_s)
+    heartbeat = Heartbeat(
+        Registry(config.redis_url, ttl_s=max(1.0, 5 * config.heartbeat_interval_s)),
+        "worker",
+        address,
+        info.identity.revision,
+        state,
+        config.heartbeat_interval_s,
+    )
     heartbeat.start()
-    log.info("worker serving on %s (model %s, %d KV blocks)", address, info.model_dir, loop.kv_state.total_blocks)
+    kv = loop.kv_state
+    log.info(
+        "worker serving on %s (model %s, attention %s, %d KV blocks of %d tokens)",
+        address,
+        info.model_dir,
+        kv.attention_backend,
+        kv.total_blocks,
+        kv.block_size,
+    )
     return RunningWorker(running, servicer, loop, heartbeat, telemetry)

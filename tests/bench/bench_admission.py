@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from services.launch.local import ClusterSpec, free_port, start_cluster
     from services.models.tiny_model import make_tiny_model
-    from services.worker.engine.config import EngineConfig
-    from services.worker.engine.model_runner import KVShape
+    from services.worker.engine.attention import DEFAULT_BLOCK_SIZE
+    from services.worker.engine.attention.kv_cache import KVShape
     from tests.integration.conftest import RedisServer
 
     redis = RedisServer(free_port())
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(tmp) / "model", "qwen2-vl", text_width=args.text_width, text_layers=args.text_layers
         )
         shape = KVShape.of_config(AutoConfig.from_pretrained(model))
-        block_bytes = shape.block_bytes(EngineConfig().block_size, torch.float32)  # the workers' defaults
+        block_bytes = shape.block_bytes(DEFAULT_BLOCK_SIZE, torch.float32)  # CPU workers' default block size
         env = {
             "EPD_KV_CACHE_BYTES": str(64 * block_bytes),
             "EPD_COMPUTE_NICE": os.environ.get("EPD_COMPUTE_NICE", "10"),

@@ -67,23 +67,38 @@ def workload(loaded: tuple[Any, Any], tiny_model_dir: Path) -> list[tuple[Prompt
     return out
 
 
-@pytest.mark.parametrize("backend", ["auto", "sdpa"], ids=["kernel", "sdpa"])
+BACKENDS = {
+    "kernel": ("cpu-kernel", 16, "off"),
+    "sdpa": ("sdpa", 16, "off"),
+    "flashref16": ("flash-reference", 16, "off"),
+    "flashref256-graphs": ("flash-reference", 256, "eager"),  # decode-only steps padded as the GPU graphs are
+}
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("caching", [True, False], ids=["cache", "nocache"])
 @pytest.mark.parametrize("budget", [16, 64, 512])
 def test_concurrent_greedy_equals_generate(
     loaded: tuple[Any, Any], workload: list[tuple[Prompt, int, list[int]]], budget: int, caching: bool, backend: str
 ) -> None:
-    """Both decode-attention paths: the compiled CPU kernel (this machine has a C compiler) and SDPA."""
+    """Every CPU attention path: the compiled kernel (this machine has a C compiler), SDPA, and the GPU's
+    varlen call with its pure-torch twin at 16- and 256-token blocks, the latter through the decode graphs'
+    padded static-buffer path (eagerly: no capture on the CPU)."""
     adapter, model = loaded
+    name, block_size, graphs = BACKENDS[backend]
     config = EngineConfig(
         kv_cache_bytes=16 << 20,
+        block_size=block_size,
         max_num_batched_tokens=budget,
         max_num_seqs=16,
         enable_prefix_caching=caching,
-        attention_backend=backend,
+        attention_backend=name,
+        cuda_graphs=graphs,
+        max_model_len=4096,
     )
     engine = Engine(adapter, model, config)
-    assert (engine.runner.decode_kernel is not None) == (backend == "auto")
+    assert (engine.config.attention_backend, engine.config.block_size) == (name, block_size)
+    assert (engine.runner.graphs is not None) == (graphs == "eager")
     results: dict[str, Result] = {}
     late: list[Prompt] = []
     for i, (prompt, max_tokens, _) in enumerate(workload):
@@ -107,5 +122,7 @@ def test_concurrent_greedy_equals_generate(
     state = engine.kv_state()
     assert state.free_blocks == state.total_blocks and state.reserved_blocks == 0
     assert engine.embedding_stats().pinned == 0
-    if caching:
+    if engine.runner.graphs is not None:
+        assert engine.runner.graphs.steps > 0  # decode-only steps went through the padded graph path
+    if caching and block_size == 16:  # 256-token blocks: prefix reuse is tested in test_engine_requests.py
         assert any(r.cached_tokens > 0 for r in results.values())

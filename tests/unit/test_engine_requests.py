@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from services.models.registry import load_adapter
+from services.worker.engine.attention.kv_cache import KVShape
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.model_runner import KVShape
 from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions
 from tests.engine_support import Prompt, Result, build_prompt, collect, drain, image, reference
 
@@ -221,3 +221,21 @@ def test_kv_state_counts_preemptions(loaded: tuple[Any, Any]) -> None:
         assert (state.preemptions > 0) == (overcommit > 1), state
         assert state.free_blocks == state.total_blocks and state.reserved_blocks == 0
     assert outputs[0] == outputs[1]
+
+
+def test_prefix_cache_with_256_token_blocks(loaded: tuple[Any, Any], tiny_model_dir: Path) -> None:
+    """The flash backend's block size, through flash-reference and the decode graphs' padded path: a shared prefix
+    is reused in whole 256-token blocks (the image's included), and the answer still equals `generate`."""
+    adapter, model = loaded
+    picture = image(448, 448, 61)
+    first = build_prompt(adapter, model, [LONG, picture, "what is shown here?"])
+    second = build_prompt(adapter, model, [LONG, picture, "describe the colours"])
+    common = next(i for i, (a, b) in enumerate(zip(first.token_ids, second.token_ids, strict=False)) if a != b)
+    assert common > 256 + 1 and first.media[0].offset < 256 < first.media[0].offset + first.media[0].num_tokens
+    engine = make_engine(loaded, attention_backend="flash-reference", block_size=256, cuda_graphs="eager",
+                         max_model_len=2048)  # fmt: skip
+    assert run_one(engine, first, "a").cached_tokens == 0
+    reused = run_one(engine, second, "b")
+    assert reused.cached_tokens == common // 256 * 256
+    assert reused.tokens == reference(tiny_model_dir, second, GREEDY.max_tokens)
+    assert run_one(engine, first, "c", salt="tenant-2").cached_tokens == 0

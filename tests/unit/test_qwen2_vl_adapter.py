@@ -267,14 +267,14 @@ def test_split_greedy_stops_at_eos_like_generate(tiny_model_dir: Path) -> None:
 
 
 def test_embed_prompt_rejects_misplaced_rows(family: tuple[Qwen2VLAdapter, torch.nn.Module, Path]) -> None:
+    """Rows past the ids are refused; rows over text are not checked here (that reads device values): the
+    engine refuses such a request at add_request, from its host-side ids."""
     adapter, model, _ = family
     ids = torch.tensor([5, adapter.image_token_id, adapter.image_token_id, 6])
     rows = torch.ones(2, adapter.hidden_size)
     embedded = adapter.embed_prompt(model, ids, [PlacedEmbedding(1, rows)])
     assert torch.equal(embedded[1:3], rows)
     assert torch.equal(embedded[0], model.model.get_input_embeddings().weight[5])
-    with pytest.raises(ValueError, match="not image placeholders"):
-        adapter.embed_prompt(model, ids, [PlacedEmbedding(2, rows)])
     with pytest.raises(ValueError, match="outside"):
         adapter.embed_prompt(model, ids, [PlacedEmbedding(3, rows)])
 

@@ -26,14 +26,14 @@ class Engine:
 
     def __init__(self, adapter: Any, model: torch.nn.Module, config: EngineConfig) -> None:
         self.adapter = adapter
-        self.config = config
         self.runner = ModelRunner(adapter, model, config)
+        self.config = config = self.runner.config  # automatic settings resolved (backend, block size, KV bytes)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.embeddings = EmbeddingPool(config.embedding_buffer_bytes, config.torch_dtype, config.device)
         self.scheduler = Scheduler(config, self.block_manager, self.embeddings)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.runner.io)
         self.eos_token_ids = frozenset(adapter.eos_token_ids)
-        self.max_model_len = config.max_model_len or int(adapter.max_context)
+        self.max_model_len = self.runner.max_model_len
         self.requests: dict[str, Sequence] = {}
         self._stalled = False  # the last step scheduled nothing and nothing has changed since
 
@@ -70,7 +70,7 @@ class Engine:
             if known is not None:
                 _check_rows(item, seq.request_id, known)
         if seq.sampling.seed is not None:
-            seq.generator = torch.Generator().manual_seed(seq.sampling.seed)
+            seq.generator = torch.Generator(device=self.runner.device).manual_seed(seq.sampling.seed)
         ledger = self.scheduler.ledger
         if request.request_id in ledger and not ledger.reserve(request.request_id, seq.max_num_blocks):
             ledger.release(request.request_id)  # the scheduler reserves the real size when it can
@@ -122,7 +122,10 @@ class Engine:
             return []
         run = self.runner.run(scheduled.chunks, self.embeddings)
         seqs = [c.seq for c in run.sampled]
-        tokens = self.sampler.sample(run.logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+        tokens: list[int] = []
+        if seqs:  # the step's one device-to-host copy
+            sampled = self.sampler.sample(run.logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+            tokens = self.runner.io.to_host(sampled)
         self.scheduler.update(scheduled)
         outputs = []
         for seq, token in zip(seqs, tokens, strict=True):
@@ -143,6 +146,7 @@ class Engine:
             waiting=len(scheduler.waiting),
             block_size=self.config.block_size,
             preemptions=scheduler.num_preemptions,
+            attention_backend=self.config.attention_backend,
         )
 
     def embedding_stats(self) -> EmbeddingStats:

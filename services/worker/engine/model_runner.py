@@ -1,170 +1,176 @@
-"""Runs one flattened step of the language model over paged KV."""
+"""Runs one flattened step of the language model over paged KV, with the chosen attention backend."""
 
 from __future__ import annotations
 
-from array import array
+import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from services.models.base import PlacedItem
-from services.worker.engine.attention import (
-    CONTEXT_KWARG,
-    AttentionContext,
-    ChunkSpan,
-    DecodeGroup,
-    KVCache,
-    install_paged_attention,
-)
-from services.worker.engine.config import EngineConfig
-from services.worker.engine.decode_kernel import DecodeKernel, load_decode_kernel
+from services.worker.engine.attention import choose_backend, default_block_size, make_backend
+from services.worker.engine.attention.backend import CONTEXT_KWARG, install_paged_attention
+from services.worker.engine.attention.kv_cache import KVCache, KVShape
+from services.worker.engine.config import CPU_KV_CACHE_BYTES, EngineConfig
+from services.worker.engine.cuda_graphs import DecodeGraphs
 from services.worker.engine.embeddings import EmbeddingPool
+from services.worker.engine.host_device import HostDevice
+from services.worker.engine.memory import kv_budget, profile_cuda
 from services.worker.engine.scheduler import ScheduledChunk
 from services.worker.engine.sequence import Sequence
-from services.worker.engine.step_input import GROUP_COST_BLOCKS, StepInput, build_step_input
+from services.worker.engine.step_input import StepInput, build_step_input
 
+log = logging.getLogger(__name__)
 
-@dataclass(frozen=True)
-class KVShape:
-    """What one KV block holds, from the model's text config."""
-
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-
-    @classmethod
-    def of(cls, model: torch.nn.Module) -> KVShape:
-        return cls.of_config(model.config)
-
-    @classmethod
-    def of_config(cls, config: Any) -> KVShape:
-        """From a transformers config (its text config is used), without loading weights."""
-        text = config.get_text_config()
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        return cls(int(text.num_hidden_layers), int(text.num_key_value_heads), int(head_dim))
-
-    def block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes of K and V of one block over all layers."""
-        return 2 * self.num_layers * block_size * self.kv_heads * self.head_dim * dtype.itemsize
+__all__ = ["ModelRunner", "RunOutput"]
 
 
 @dataclass(frozen=True)
 class RunOutput:
-    """Logits ``[N, vocab]`` for the chunks that sample, row i for ``sampled[i]``."""
+    """Logits ``[N, vocab]`` on the device for the chunks that sample, row i for ``sampled[i]``."""
 
     sampled: list[ScheduledChunk]
     logits: torch.Tensor
 
 
 class ModelRunner:
-    """Owns the per-layer KV block tensors (allocated once from the byte budget) and runs steps.
+    """Owns the attention backend, the KV cache (allocated once) and the decode graphs; runs steps.
 
-    Invariant: ``kv`` holds ``num_blocks`` blocks per layer and never grows; a step writes K/V only to
-    the slots of the blocks the scheduler allocated to its chunks.
-
-    Decodes go through the compiled CPU kernel when ``config.attention_backend`` is ``"auto"`` and it
-    applies (float32 on the CPU, 16-token blocks, head dims a multiple of 16) and builds; else SDPA.
+    ``config`` is the given one with everything automatic resolved (backend name, block size, KV bytes,
+    graph mode). Invariant: ``kv`` holds ``num_blocks`` blocks per layer for sequences, plus, with decode
+    graphs, one scratch block (id ``num_blocks``) that no sequence owns; it never grows. A step writes K/V
+    only to the slots of the blocks the scheduler allocated to its chunks, or to the scratch block.
     """
 
     def __init__(self, adapter: Any, model: torch.nn.Module, config: EngineConfig) -> None:
         self.adapter = adapter
         self.model = model
-        self.block_size = config.block_size
-        self.device = torch.device(config.device)
-        self.shape = KVShape.of(model)
+        self.device = device = torch.device(config.device)
         self.dtype = dtype = config.torch_dtype
         model_dtype = model.get_input_embeddings().weight.dtype
         if model_dtype != dtype:
             raise ValueError(f"EngineConfig.dtype is {dtype} but the model's weights are {model_dtype}")
-        self.num_blocks = config.kv_cache_bytes // self.shape.block_bytes(config.block_size, dtype)
-        if self.num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_bytes={config.kv_cache_bytes} holds no block of "
-                f"{self.shape.block_bytes(config.block_size, dtype)} bytes"
-            )
-        shape = self.shape
-        self.decode_kernel: DecodeKernel | None = None
-        if config.attention_backend == "auto" and DecodeKernel.applies(
-            config.block_size, shape.head_dim, dtype, self.device
-        ):
-            self.decode_kernel = load_decode_kernel()
-        self.kv = KVCache.allocate(
-            shape.num_layers, shape.kv_heads, self.num_blocks, config.block_size, shape.head_dim, dtype, self.device,
-            keys_dim_major=self.decode_kernel is not None,
-        )  # fmt: skip
-        # the kernel reads only each row's own blocks, so padding tables to one width costs nothing
-        self._decode_group_cost = GROUP_COST_BLOCKS if self.decode_kernel is None else _ONE_GROUP
-        self._arange = torch.arange(1024, device=self.device)
-        self._zero = torch.zeros((), dtype=dtype, device=self.device)
-        self._minus_inf = torch.full((), float("-inf"), dtype=dtype, device=self.device)
+        self.shape = shape = KVShape.of(model)
+        name = choose_backend(config.attention_backend, device, dtype, shape.head_dim, config.block_size)
+        self.block_size = block_size = config.block_size or default_block_size(name)
+        self.backend = make_backend(name, block_size, device, dtype, shape.head_dim)
+        self.io = HostDevice(device)
+        graph_mode = _graph_mode(config.cuda_graphs, device, self.backend.supports_graphs)
         install_paged_attention(model)
+        kv_bytes = config.kv_cache_bytes or self._kv_bytes_from_memory(config)
+        block_bytes = shape.block_bytes(block_size, dtype)
+        scratch = 0 if graph_mode == "off" else 1
+        self.num_blocks = kv_bytes // block_bytes - scratch
+        if self.num_blocks < 1:
+            raise ValueError(f"kv_cache_bytes={kv_bytes} holds no block of {block_bytes} bytes")
+        self.kv = KVCache.allocate(shape, self.num_blocks + scratch, block_size, dtype, device, self.backend.kv_layout)
+        self.max_model_len = config.max_model_len or int(adapter.max_context)
+        self.graphs: DecodeGraphs | None = None
+        if graph_mode != "off":
+            self.graphs = DecodeGraphs(
+                self._all_logits, self.backend, self.io, config.max_num_seqs, -(-self.max_model_len // block_size),
+                self.num_blocks, int(model.config.get_text_config().vocab_size), dtype, capture=graph_mode == "auto",
+            )  # fmt: skip
+            if graph_mode == "auto":
+                self.graphs.capture()
+        self.config = dataclasses.replace(
+            config, attention_backend=name, block_size=block_size, kv_cache_bytes=kv_bytes, cuda_graphs=graph_mode
+        )
+        log.info(
+            "attention backend %s on %s (%s): %d KV blocks of %d tokens, decode graphs %s",
+            name,
+            device,
+            str(dtype).removeprefix("torch."),
+            self.num_blocks,
+            block_size,
+            graph_mode,
+        )
 
     def prepare(self, seq: Sequence) -> None:
         """Compute the sequence's positions for every token it may hold (raises ValueError on bad media).
 
-        Kept as three plain lists (one per M-RoPE axis): a step reads them without tensor ops.
+        Kept as three plain lists (one per M-RoPE axis), computed on the host: a step reads them without
+        tensor ops and preparing a request touches no device.
         """
         items = [PlacedItem(m.offset, tuple(m.grid_thw)) for m in seq.media]
-        prompt = self.adapter.prompt_positions(self.model, seq.token_ids[: seq.num_prompt_tokens], items)
+        prompt = self.adapter.prompt_positions(None, seq.token_ids[: seq.num_prompt_tokens], items)
         tail = self.adapter.decode_positions(seq.num_prompt_tokens, seq.sampling.max_tokens, prompt.rope_delta)
-        seq.positions = torch.cat([prompt.positions.cpu(), tail.cpu()], dim=1).tolist()
+        seq.positions = torch.cat([prompt.positions, tail], dim=1).tolist()
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], embeddings: EmbeddingPool) -> RunOutput:
-        """Compute ``chunks`` in one forward; logits only at the last token of the chunks that sample."""
-        step = build_step_input(chunks, self.block_size, embeddings, self._decode_group_cost)
-        packed = torch.frombuffer(array("q", step.ints), dtype=torch.long).to(self.device)  # 3x torch.tensor's speed
-        n, num_sampled = step.num_tokens, len(step.sampled)
-        ctx = self._attention_context(step, packed)
-        model, adapter = self.model, self.adapter
-        embeds = adapter.embed_prompt(model, packed[:n], step.placed)
+        """Compute ``chunks`` in one forward; logits only at the last token of the chunks that sample.
+
+        Decode-only steps go through the decode graphs when there are any; the rest run eagerly.
+        """
+        bucket = self.graphs.bucket_for(chunks) if self.graphs is not None else None
+        if bucket is not None:
+            step = build_step_input(chunks, self.block_size, embeddings, self.graphs.padding(bucket, len(chunks)))
+            self.backend.lay_out(step, self.graphs.table_width)
+            step.close()
+            logits = self.graphs.run(step).index_select(0, self.graphs.sample_rows(step))
+            return RunOutput(step.sampled, logits)
+        step = build_step_input(chunks, self.block_size, embeddings)
+        self.backend.lay_out(step)
+        step.close()
+        packed = self.io.upload(step.ints, torch.int64)
+        hidden = self._hidden(step, packed)
+        rows = packed[step.sample_at : step.sample_at + len(step.sample_rows)]
+        return RunOutput(step.sampled, self.adapter.compute_logits(self.model, hidden.index_select(0, rows)))
+
+    def _hidden(self, step: StepInput, packed: torch.Tensor) -> torch.Tensor:
+        """Last hidden states ``[T, hidden]`` of every row of ``step`` (``packed``: its ints on the device)."""
+        n = step.num_tokens
+        ctx = self.backend.context(step, packed, self.kv)
+        embeds = self.adapter.embed_prompt(self.model, packed[:n], step.placed)
         position_ids = packed[2 * n : 5 * n].view(3, 1, n)
-        hidden = adapter.forward_hidden(
-            model, embeds[None], position_ids, attention_mask=_NO_MASK, **{CONTEXT_KWARG: ctx}
+        hidden = self.adapter.forward_hidden(
+            self.model, embeds[None], position_ids, attention_mask=_NO_MASK, **{CONTEXT_KWARG: ctx}
         )
-        rows = packed[5 * n : 5 * n + num_sampled]
-        logits = adapter.compute_logits(model, hidden[0].index_select(0, rows))
-        return RunOutput(step.sampled, logits)
+        return hidden[0]
 
-    def _attention_context(self, step: StepInput, packed: torch.Tensor) -> AttentionContext:
-        """Decode groups and chunk spans as views of ``packed``; masks built once for all layers."""
-        size, n = self.block_size, step.num_tokens
-        span = self._span(max([g.width * size for g in step.decodes] + [c.context_len for c in step.chunks] + [1]))
-        groups = []
-        for g in step.decodes:
-            block_ids = packed[g.table_at : g.table_at + g.num_rows * g.width]
-            lengths = packed[g.lengths_at : g.lengths_at + g.num_rows]
-            mask = None
-            if self.decode_kernel is None:
-                mask = self._additive(span[: g.width * size][None, :] < lengths[:, None])[:, None, None, :]
-            groups.append(DecodeGroup(g.num_rows, block_ids, lengths, mask))
-        spans = []
-        for c in step.chunks:
-            if c.num_blocks == 0:
-                spans.append(ChunkSpan(c.query_start, c.query_len, c.context_len, None, None))
-                continue
-            block_ids = packed[c.blocks_at : c.blocks_at + c.num_blocks]
-            first = c.context_len - c.query_len  # the chunk's first token's index in its context
-            inside = span[: c.context_len][None, :] <= span[first : c.context_len][:, None]
-            spans.append(ChunkSpan(c.query_start, c.query_len, c.context_len, block_ids, self._additive(inside)))
-        slots = packed[n : 2 * n]
-        key_slots = self.kv.key_slots(slots, size, self.shape.head_dim)
-        return AttentionContext(self.kv, slots, key_slots, groups, spans, self.decode_kernel)
+    def _all_logits(self, step: StepInput, packed: torch.Tensor) -> torch.Tensor:
+        """Logits of every row (the decode graphs' forward)."""
+        return self.adapter.compute_logits(self.model, self._hidden(step, packed))
 
-    def _additive(self, inside: torch.Tensor) -> torch.Tensor:
-        """0 where ``inside``, -inf elsewhere: built once per step (SDPA converts a bool mask per call)."""
-        return torch.where(inside, self._zero, self._minus_inf)
+    @torch.inference_mode()
+    def warm_up(self, num_tokens: int, num_logits: int) -> None:
+        """One forward of ``num_tokens`` tokens without KV (plain SDPA) and logits for ``num_logits`` rows:
+        the largest step's activations, for sizing the KV cache from what is left."""
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device).expand(3, 1, num_tokens)
+        embeds = self.adapter.embed_prompt(self.model, ids, [])
+        hidden = self.adapter.forward_hidden(self.model, embeds[None], positions, attention_mask=_NO_MASK)
+        logits = self.adapter.compute_logits(self.model, hidden[0, -num_logits:])
+        logits.float().softmax(dim=-1).sort(dim=-1)  # the sampler's largest temporaries
 
-    def _span(self, length: int) -> torch.Tensor:
-        """``arange(length)`` or longer, on the device; grown by doubling, reused across steps."""
-        if self._arange.shape[0] < length:
-            self._arange = torch.arange(max(length, 2 * self._arange.shape[0]), device=self.device)
-        return self._arange
+    def _kv_bytes_from_memory(self, config: EngineConfig) -> int:
+        """``CPU_KV_CACHE_BYTES`` off CUDA; on CUDA what ``gpu_memory_utilization`` leaves after a warm-up."""
+        if self.device.type != "cuda":
+            return CPU_KV_CACHE_BYTES
+        tokens = config.max_num_batched_tokens
+        profile = profile_cuda(self.device, lambda: self.warm_up(tokens, min(config.max_num_seqs, tokens)))
+        budget = kv_budget(profile, config.gpu_memory_utilization, config.embedding_buffer_bytes)
+        log.info(
+            "GPU memory: %.1f GiB total, warm-up peak %.2f GiB, %.2f GiB outside torch: %.2f GiB for KV",
+            profile.total / 2**30,
+            profile.peak / 2**30,
+            profile.other / 2**30,
+            budget / 2**30,
+        )
+        return budget
 
 
-_ONE_GROUP = 1 << 40
-"""A group cost no padding outweighs: all decodes in one group."""
+def _graph_mode(requested: str, device: torch.device, supported: bool) -> str:
+    """``off``, ``eager`` or ``auto`` (capture), from the configured mode and where the engine runs."""
+    if requested == "eager" and not supported:
+        raise ValueError("decode graphs need a varlen attention backend (flash or flash-reference)")
+    if requested == "auto":
+        return "auto" if device.type == "cuda" and supported else "off"
+    return requested
+
 
 _NO_MASK = {"full_attention": None}
-"""Given as ``attention_mask``: transformers builds no mask (causality is ``paged_attention``'s job)."""
+"""Given as ``attention_mask``: transformers builds no mask (causality is the attention backend's job)."""

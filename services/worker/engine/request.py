@@ -74,3 +74,4 @@ class KVState:
     waiting: int
     block_size: int
     preemptions: int = 0  # since start; stays 0 with overcommit 1.0
+    attention_backend: str = ""  # the engine's, resolved (never "auto")

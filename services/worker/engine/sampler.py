@@ -1,50 +1,63 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, per-request seed."""
+"""Next-token sampling on the logits' device: greedy, temperature, top-k, top-p, per-request seed."""
 
 from __future__ import annotations
 
 import torch
 
+from services.worker.engine.host_device import HostDevice
 from services.worker.engine.request import SamplingOptions
 
 
 class Sampler:
-    """Turns the logits of the sampling rows into tokens.
+    """Turns the logits of the sampling rows into token ids, without leaving the device.
 
-    Greedy rows take the first argmax (as transformers' ``generate``). Other rows are filtered and
-    drawn one by one, each from its request's own generator when it has a seed (so a seeded request
-    draws the same numbers alone or in any batch), else from the sampler's shared generator.
+    Greedy rows take the first argmax (as transformers' ``generate``). The other rows, together: divide by
+    the temperature, keep the top-k values (ties kept), then the smallest set holding top-p of the mass,
+    then draw by an exponential race, ``argmax(p / E)`` with ``E ~ Exp(1)`` (the same distribution as
+    ``multinomial``, with no host sync). Each row's ``E`` comes from its request's own device generator
+    when it has a seed, so a seeded request draws the same numbers alone or in any batch; else from the
+    sampler's shared generator. The few per-row parameters go up through ``io`` (pinned, non-blocking).
     """
 
-    def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, seed: int, io: HostDevice) -> None:
+        self.io = io
+        self.generator = torch.Generator(device=io.device).manual_seed(seed)
 
     def sample(
-        self,
-        logits: torch.Tensor,
-        options: list[SamplingOptions],
-        generators: list[torch.Generator | None],
-    ) -> list[int]:
-        """One token per row of ``logits [N, vocab]``; ``options`` and ``generators`` are per row."""
-        logits = logits.float()
-        tokens = logits.argmax(dim=-1).tolist()
-        for row, (opts, generator) in enumerate(zip(options, generators, strict=True)):
-            if opts.temperature > 0:
-                probs = filtered_probs(logits[row], opts)
-                draw = torch.multinomial(probs.cpu(), 1, generator=generator or self.generator)
-                tokens[row] = int(draw)
-        return tokens
+        self, logits: torch.Tensor, options: list[SamplingOptions], generators: list[torch.Generator | None]
+    ) -> torch.Tensor:
+        """One token id per row of ``logits [N, vocab]`` as a ``[N]`` int64 tensor on the logits' device."""
+        tokens = logits.argmax(dim=-1)
+        drawn = [i for i, opts in enumerate(options) if opts.temperature > 0]
+        if not drawn:
+            return tokens
+        chosen = [options[i] for i in drawn]
+        index = self.io.upload(drawn, torch.int64)
+        temperature = self.io.upload([o.temperature for o in chosen], torch.float32)
+        scaled = logits.index_select(0, index).float() / temperature[:, None]
+        vocab = scaled.shape[-1]
+        if any(0 < o.top_k < vocab or 0 < o.top_p < 1 for o in chosen):
+            top_k = self.io.upload([o.top_k if 0 < o.top_k < vocab else vocab for o in chosen], torch.int64)
+            top_p = self.io.upload([o.top_p if 0 < o.top_p < 1 else 1.0 for o in chosen], torch.float32)
+            scaled = filter_top_k_top_p(scaled, top_k, top_p)
+        probs = scaled.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, i in enumerate(drawn):
+            if generators[i] is not None:
+                noise[row].exponential_(generator=generators[i])
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a zero draw must not turn a dropped token into 0/0
+        return tokens.index_copy(0, index, (probs / noise).argmax(dim=-1))
 
 
-def filtered_probs(logits: torch.Tensor, opts: SamplingOptions) -> torch.Tensor:
-    """Probabilities of one row ``[vocab]`` after temperature, top-k then top-p."""
-    scaled = logits / opts.temperature
-    if 0 < opts.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, opts.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if 0 < opts.top_p < 1:
-        sorted_logits, order = torch.sort(scaled, descending=True)
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
-        drop = before >= opts.top_p  # keep the smallest set holding top_p of the mass
-        scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return scaled.softmax(dim=-1)
+def filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """``scaled [R, vocab]`` with tokens outside each row's top-k (``top_k [R]``, ``vocab`` = off; values equal
+    to the k-th kept) then outside its top-p (``top_p [R]``, 1.0 = off; the smallest set holding that mass of
+    the top-k distribution) set to -inf."""
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)  # ties: lower token id first
+    kth = sorted_logits.gather(1, (top_k - 1)[:, None])
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
+    drop = (before >= top_p[:, None]) & (top_p[:, None] < 1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(scaled).scatter_(1, order, sorted_logits)

@@ -1,78 +1,79 @@
 """One step's model inputs, laid out in plain Python lists (no per-sequence tensor ops).
 
-Every integer the step needs (token ids, slots, M-RoPE positions, sampling rows, decode block tables,
-decode context lengths, chunk block ids) goes into one list, which the model runner turns into one
-tensor; the pieces are views of it. ENGINE-FACTS: about 0.24 ms per step from lists against 0.7 ms
-with per-sequence tensor ops.
+Every integer the step needs goes into one list, which the model runner turns into one tensor (one
+host-to-device copy); the pieces are views of it. This module lays out what every attention backend
+needs (token ids, KV slots, M-RoPE positions); the backend appends its own metadata (block tables,
+lengths), then the runner appends the rows to sample. ENGINE-FACTS: about 0.24 ms per step from lists
+against 0.7 ms with per-sequence tensor ops.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 from services.models.base import PlacedEmbedding
 from services.worker.engine.embeddings import EmbeddingPool
 from services.worker.engine.scheduler import ScheduledChunk
 from services.worker.engine.sequence import Sequence
 
-GROUP_COST_BLOCKS = 48
-"""What one more padded decode group costs (an SDPA call and two gathers), in padded block-rows."""
-
 
 @dataclass(frozen=True, slots=True)
-class DecodeRows:
-    """``num_rows`` consecutive single-token queries padded to ``width`` blocks.
+class PaddedRows:
+    """Rows added after the real ones so a step has a fixed shape (a decode graph's bucket).
 
-    ``ints[table_at : table_at + num_rows * width]`` is the row-major block table (padded with block 0),
-    ``ints[lengths_at : lengths_at + num_rows]`` the context lengths.
+    Each padded row is a one-token query whose K/V goes to ``scratch_slot`` and whose context is that one
+    slot, in block ``scratch_block`` (which no sequence ever owns); its outputs are ignored.
     """
 
-    num_rows: int
-    width: int
-    table_at: int
-    lengths_at: int
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkRows:
-    """A multi-token chunk: rows ``[query_start, query_start + query_len)`` of the step.
-
-    Its context is ``context_len`` tokens; when something was cached before it, its ``num_blocks`` block
-    ids are ``ints[blocks_at : blocks_at + num_blocks]`` (``num_blocks`` is 0 otherwise).
-    """
-
-    query_start: int
-    query_len: int
-    context_len: int
-    blocks_at: int
-    num_blocks: int
+    count: int
+    scratch_block: int
+    scratch_slot: int
 
 
 @dataclass
 class StepInput:
     """The flattened step: decodes first (ascending context), then multi-token chunks in schedule order.
 
-    Invariant: with ``T = num_tokens`` and ``S = len(sampled)``, ``ints[0:T]`` are the token ids,
-    ``ints[T:2T]`` the KV slots, ``ints[2T:5T]`` the three M-RoPE position rows, ``ints[5T:5T+S]`` the
-    rows whose logits are sampled (``sampled[i]`` is row ``ints[5T+i]``), then what ``decodes`` and
-    ``chunks`` point at. ``placed`` puts media rows at flat row offsets.
+    Invariant: with ``T = num_tokens`` (padded rows included), ``ints[0:T]`` are the token ids,
+    ``ints[T:2T]`` the KV slots, ``ints[2T:5T]`` the three M-RoPE position rows; then the attention
+    backend's metadata (``layout`` says where); then, from ``sample_at``, the rows whose logits are
+    sampled (``sampled[i]`` is row ``ints[sample_at + i]``). ``rows`` are the scheduled chunks in row
+    order (``padding`` rows follow them); ``placed`` puts media rows at flat row offsets.
     """
 
     num_tokens: int
+    rows: list[ScheduledChunk]
     sampled: list[ScheduledChunk]
+    sample_rows: list[int]
     placed: list[PlacedEmbedding]
     ints: list[int]
-    decodes: list[DecodeRows] = field(default_factory=list)
-    chunks: list[ChunkRows] = field(default_factory=list)
+    padding: PaddedRows | None = None
+    layout: Any = None
+    sample_at: int = -1
+    num_decodes: int = 0
+    max_context: int = 0
+
+    @property
+    def decode_only(self) -> bool:
+        """Every row is one token (decodes, or prefill advancing one token)."""
+        return self.num_decodes == len(self.rows)
+
+    def close(self) -> None:
+        """Append the sample rows (after the backend's metadata): the ints are complete."""
+        self.sample_at = len(self.ints)
+        self.ints.extend(self.sample_rows)
 
 
 def build_step_input(
-    chunks: list[ScheduledChunk], block_size: int, embeddings: EmbeddingPool, decode_group_cost: int = GROUP_COST_BLOCKS
+    chunks: list[ScheduledChunk], block_size: int, embeddings: EmbeddingPool, padding: PaddedRows | None = None
 ) -> StepInput:
-    """Lay out one step's ``chunks`` (each sequence's ``positions`` must be set); decodes are cut into padded
-    groups by ``split_points`` with ``decode_group_cost``."""
+    """Lay out ids, slots and positions of ``chunks`` (each sequence's ``positions`` must be set), and
+    ``padding`` rows after them when given (only for steps of one-token rows)."""
     decodes = sorted((c for c in chunks if c.num_tokens == 1), key=_start)
     prefills = [c for c in chunks if c.num_tokens > 1]
+    if padding is not None and prefills:
+        raise ValueError("padded rows are only for steps of one-token rows")
     ids: list[int] = []
     slots: list[int] = []
     rows: tuple[list[int], list[int], list[int]] = ([], [], [])
@@ -105,73 +106,23 @@ def build_step_input(
         if chunk.samples:
             sample_rows.append(len(ids) - 1)
             sampled.append(chunk)
-    step = StepInput(len(ids), sampled, placed, ids + slots + rows[0] + rows[1] + rows[2] + sample_rows)
-    _add_decode_groups(step, decodes, size, decode_group_cost)
-    _add_chunks(step, prefills, len(decodes), size)
-    return step
-
-
-def _add_decode_groups(step: StepInput, decodes: list[ScheduledChunk], size: int, group_cost: int) -> None:
-    ints = step.ints
-    lengths = [c.start + 1 for c in decodes]  # ascending
-    widths = [-(-n // size) for n in lengths]
-    lo = 0
-    for hi in split_points(widths, group_cost):
-        width, table_at = widths[hi - 1], len(ints)
-        for chunk in decodes[lo:hi]:
-            table = chunk.seq.block_table
-            if len(table) >= width:
-                ints.extend(table[:width])
-            else:
-                ints.extend(table)
-                ints.extend([0] * (width - len(table)))
-        step.decodes.append(DecodeRows(hi - lo, width, table_at, len(ints)))
-        ints.extend(lengths[lo:hi])
-        lo = hi
-
-
-def _add_chunks(step: StepInput, prefills: list[ScheduledChunk], query_start: int, size: int) -> None:
-    ints = step.ints
-    for chunk in prefills:
-        context_len = chunk.start + chunk.num_tokens
-        num_blocks = 0 if chunk.start == 0 else -(-context_len // size)
-        step.chunks.append(ChunkRows(query_start, chunk.num_tokens, context_len, len(ints), num_blocks))
-        ints.extend(chunk.seq.block_table[:num_blocks])
-        query_start += chunk.num_tokens
-
-
-def split_points(widths: list[int], group_cost: int = GROUP_COST_BLOCKS, max_cuts: int = 8) -> list[int]:
-    """Ends of the padded groups that cut ascending context ``widths`` (in blocks) at least cost.
-
-    A group of rows ``[lo, hi)`` costs ``(hi - lo) * widths[hi - 1]`` padded block-rows plus
-    ``group_cost``. Dynamic programming over the cut points, which are only where the width changes
-    (cutting inside a run of equal widths never helps), at most ``max_cuts`` of them evenly spread so a
-    step pays microseconds for it. The last end is ``len(widths)``; empty for no rows.
-    """
-    if not widths:
-        return []
-    ends = [i for i in range(1, len(widths)) if widths[i] != widths[i - 1]]
-    if len(ends) > max_cuts:
-        ends = [ends[(k * len(ends)) // max_cuts] for k in range(max_cuts)]
-    ends.append(len(widths))
-    best = {0: 0}  # least cost of rows [0, end)
-    cut = {0: 0}
-    starts = [0]
-    for hi in ends:
-        width = widths[hi - 1]
-        best_cost, best_lo = -1, 0
-        for lo in starts:
-            cost = best[lo] + (hi - lo) * width + group_cost
-            if best_cost < 0 or cost < best_cost:
-                best_cost, best_lo = cost, lo
-        best[hi], cut[hi] = best_cost, best_lo
-        starts.append(hi)
-    out = []
-    hi = len(widths)
-    while hi > 0:
-        out.append(hi)
-        hi = cut[hi]
-    return out[::-1]
+    if padding is not None:
+        ids.extend([0] * padding.count)
+        slots.extend([padding.scratch_slot] * padding.count)
+        for axis in range(3):
+            rows[axis].extend([0] * padding.count)
+    ordered = decodes + prefills
+    return StepInput(
+        num_tokens=len(ids),
+        rows=ordered,
+        sampled=sampled,
+        sample_rows=sample_rows,
+        placed=placed,
+        ints=ids + slots + rows[0] + rows[1] + rows[2],
+        padding=padding,
+        num_decodes=len(decodes),
+        max_context=max((c.start + c.num_tokens for c in ordered), default=0),
+    )
 
 
 def _start(chunk: ScheduledChunk) -> int:

@@ -1,0 +1,104 @@
+"""Choosing an attention backend (`auto` and explicit), its KV layout and block size, the settings' checks, and the
+KV budget from GPU memory (the arithmetic; the measuring needs CUDA)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from services.common import config as config_lib
+from services.common.config import ConfigError
+from services.models.registry import load_adapter
+from services.worker.config import WorkerConfig
+from services.worker.engine.attention import choose_backend, default_block_size, make_backend
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine.memory import MemoryProfile, kv_budget
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir: Path) -> tuple[Any, Any]:
+    adapter = load_adapter(tiny_model_dir)
+    return adapter, adapter.load_model()
+
+
+def test_auto_choice() -> None:
+    assert choose_backend("auto", CPU, torch.float32, 16, 0) == "cpu-kernel"  # this machine has a C compiler
+    assert choose_backend("auto", CPU, torch.float32, 16, 32) == "sdpa"  # the kernel is built for 16-token blocks
+    assert choose_backend("auto", CPU, torch.bfloat16, 16, 0) == "sdpa"
+    assert choose_backend("auto", CPU, torch.float32, 24, 0) == "sdpa"
+    assert choose_backend("auto", CUDA, torch.bfloat16, 128, 0) == "flash"
+    assert choose_backend("auto", CUDA, torch.float16, 128, 512) == "flash"
+    assert choose_backend("auto", CUDA, torch.float32, 128, 0) == "flash-reference"  # the kernel is fp16/bf16 only
+    assert choose_backend("auto", CUDA, torch.bfloat16, 128, 16) == "flash-reference"  # not a multiple of 256
+    assert choose_backend("sdpa", CUDA, torch.bfloat16, 128, 0) == "sdpa"
+    assert [default_block_size(n) for n in ("flash", "flash-reference", "sdpa", "cpu-kernel")] == [256, 16, 16, 16]
+
+
+def test_explicit_backends_refuse_where_they_cannot_run() -> None:
+    with pytest.raises(ValueError, match="needs CUDA, float16 or bfloat16"):
+        make_backend("flash", 256, CPU, torch.bfloat16, 16)
+    with pytest.raises(ValueError, match="multiple of 256, got 16"):
+        make_backend("flash", 16, CUDA, torch.bfloat16, 16)
+    with pytest.raises(ValueError, match="float32 on the CPU, 16-token blocks"):
+        make_backend("cpu-kernel", 32, CPU, torch.float32, 16)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        make_backend("paged", 16, CPU, torch.float32, 16)
+    assert make_backend("flash-reference", 48, CPU, torch.float32, 16).block_size == 48
+
+
+@pytest.mark.parametrize(
+    ("backend", "block_size", "key_shape"),
+    [("flash-reference", 0, "blocks,16,2,16"), ("flash-reference", 256, "blocks,256,2,16"),
+     ("sdpa", 0, "2,blocks,16,16"), ("cpu-kernel", 0, "2,blocks,16,16")],
+)  # fmt: skip
+def test_engine_resolves_backend_layout_and_publishes_it(
+    loaded: tuple[Any, Any], backend: str, block_size: int, key_shape: str
+) -> None:
+    adapter, model = loaded
+    engine = Engine(
+        adapter, model, EngineConfig(kv_cache_bytes=2 << 20, attention_backend=backend, block_size=block_size)
+    )
+    runner = engine.runner
+    expected = tuple(runner.num_blocks if d == "blocks" else int(d) for d in key_shape.split(","))
+    if backend == "cpu-kernel":  # keys dim-major inside a block
+        expected = (expected[0], expected[1], expected[3], expected[2])
+    assert tuple(runner.kv.keys[0].shape) == expected and len(runner.kv.keys) == runner.shape.num_layers
+    state = engine.kv_state()
+    assert state.attention_backend == backend and state.block_size == (block_size or 16)
+    assert engine.config.kv_cache_bytes == 2 << 20 and engine.config.cuda_graphs == "off"
+
+
+def test_cpu_defaults_and_warm_up(loaded: tuple[Any, Any]) -> None:
+    """KV bytes 0 means 256 MiB off CUDA; the warm-up forward that sizes KV on CUDA runs here too."""
+    adapter, model = loaded
+    engine = Engine(adapter, model, EngineConfig())
+    assert engine.config.kv_cache_bytes == 256 << 20 and engine.config.attention_backend == "cpu-kernel"
+    engine.runner.warm_up(300, 8)
+
+
+def test_settings_are_checked() -> None:
+    for bad in ({"attention_backend": "fast"}, {"cuda_graphs": "on"}, {"gpu_memory_utilization": 0.0},
+                {"gpu_memory_utilization": 1.5}, {"block_size": -1}, {"kv_cache_bytes": -5}):  # fmt: skip
+        with pytest.raises(ValueError):
+            EngineConfig(**bad)
+    env = {"EPD_MODEL": "/m", "EPD_GPU_MEMORY_UTILIZATION": "1.2"}
+    with pytest.raises(ConfigError, match="EPD_GPU_MEMORY_UTILIZATION"):
+        config_lib.load(WorkerConfig, env=env)
+    with pytest.raises(ConfigError, match="EPD_ATTENTION_BACKEND"):
+        config_lib.load(WorkerConfig, env={"EPD_MODEL": "/m", "EPD_ATTENTION_BACKEND": "fast"})
+    worker = config_lib.load(WorkerConfig, env={"EPD_MODEL": "/m", "EPD_CUDA_GRAPHS": "false"})
+    assert (worker.block_size, worker.kv_cache_bytes, worker.cuda_graphs) == (0, 0, False)
+
+
+def test_kv_budget_from_memory() -> None:
+    gib = 1 << 30
+    profile = MemoryProfile(total=80 * gib, peak=20 * gib, other=1 * gib)
+    assert kv_budget(profile, 0.9, gib // 4) == int(72 * gib) - 21 * gib - gib // 4
+    with pytest.raises(ValueError, match="raise EPD_GPU_MEMORY_UTILIZATION"):
+        kv_budget(profile, 0.25, 0)

@@ -1,0 +1,122 @@
+"""One device-to-host synchronisation per step: the sampled token ids, through the runner's `HostDevice.to_host`.
+
+On a GPU every host read of a device value (``tolist``, ``item``, ``bool(tensor)``, a boolean index, ...)
+stalls the host until the device catches up. On the CPU nothing stalls, so the test watches for the
+reads themselves: torch's function and dispatch modes see every such call made while a step runs, in our
+code and in transformers'. Each step that samples must make exactly one, and it must be the counted one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from services.models.registry import load_adapter
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine.request import SamplingOptions
+from tests.engine_support import build_prompt, image
+
+HOST_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "__array__"}
+aten = torch.ops.aten
+SYNCING_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.is_nonzero.default, aten.equal.default,
+               aten.masked_select.default, aten._unique2.default, aten.unique_consecutive.default}  # fmt: skip
+
+
+class HostReads(TorchFunctionMode):
+    """Records the tensor methods that read values back to the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS:
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+class SyncingOps(TorchDispatchMode):
+    """Records ops that synchronise on a GPU: scalar reads, data-dependent shapes, boolean indexing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        boolean_index = func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or []) if i is not None
+        )
+        unsized_repeat = func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None
+        if func in SYNCING_OPS or boolean_index or unsized_repeat:
+            self.calls.append(str(func))
+        return func(*args, **kwargs)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir: Path) -> tuple[Any, Any]:
+    adapter = load_adapter(tiny_model_dir)
+    return adapter, adapter.load_model()
+
+
+SAMPLINGS = [
+    SamplingOptions(max_tokens=9),
+    SamplingOptions(max_tokens=7, temperature=0.8, seed=3, ignore_eos=True),
+    SamplingOptions(max_tokens=8, temperature=1.0, top_k=20, top_p=0.9, ignore_eos=True),
+    SamplingOptions(max_tokens=6, temperature=0.7, top_p=0.5, seed=9),
+]
+
+
+@pytest.mark.parametrize(
+    ("backend", "graphs"), [("flash-reference", "eager"), ("flash-reference", "off"), ("sdpa", "off")]
+)
+def test_one_host_read_per_sampling_step(loaded: tuple[Any, Any], backend: str, graphs: str) -> None:
+    """Mixed steps (chunked prefill with images, decodes, greedy and seeded top-k/top-p rows), arrivals staggered."""
+    adapter, model = loaded
+    config = EngineConfig(kv_cache_bytes=4 << 20, attention_backend=backend, cuda_graphs=graphs, max_num_seqs=8,
+                          max_num_batched_tokens=40, max_model_len=1024)  # fmt: skip
+    engine = Engine(adapter, model, config)
+    prompts = [
+        build_prompt(adapter, model, ["a picture", image(112, 84, 1), "what is it?"]),
+        build_prompt(adapter, model, ["tell me a story " * 4]),
+        build_prompt(adapter, model, [image(56, 56, 2), "and", image(84, 56, 3), "compare"]),
+        build_prompt(adapter, model, ["short"]),
+    ]
+    for prompt in prompts:
+        for mm_hash, tensor in prompt.embeddings.items():
+            engine.provide_embedding(mm_hash, tensor)
+    io = engine.runner.io
+    sampling_steps = 0
+    for step in range(200):
+        if step < 8 and step % 2 == 0:
+            i = step // 2
+            engine.add_request(prompts[i].request(f"r{i}", SAMPLINGS[i]))
+        if step >= 8 and not engine.has_work():
+            break
+        before = io.downloads
+        reads, ops = HostReads(), SyncingOps()
+        with reads, ops:
+            outputs = engine.step()
+        expected = ["tolist"] if outputs else []
+        assert reads.calls == expected and ops.calls == [], f"step {step}: {reads.calls} {ops.calls}"
+        assert io.downloads - before == len(expected)
+        sampling_steps += bool(outputs)
+    assert sampling_steps > 10 and not engine.requests
+    if graphs == "eager":
+        assert engine.runner.graphs.steps > 0
