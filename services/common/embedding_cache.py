@@ -17,6 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 import torch
@@ -48,6 +49,13 @@ class CacheSettings:
     ttl_s: int = 3600
     socket_timeout_s: float = 0.25
     retry_after_s: float = 1.0
+
+    @classmethod
+    def for_service(cls, config: Any, revision: str) -> CacheSettings:
+        """A service's cache from its `EPD_REDIS_URL`, `EPD_EMBEDDING_CACHE_BYTES` and `EPD_EMBEDDING_CACHE_TTL_S`."""
+        return cls(
+            config.redis_url, revision, max_bytes=config.embedding_cache_bytes, ttl_s=config.embedding_cache_ttl_s
+        )
 
 
 def pack(tensor: torch.Tensor) -> bytes:

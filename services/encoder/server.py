@@ -157,12 +157,7 @@ async def start_encoder(config: EncoderConfig) -> RunningEncoder:
     telemetry = Telemetry("encoder", config.host, config.metrics_port)
     metrics = EncoderMetrics.create(telemetry.meter)
     cache = EmbeddingCache(
-        CacheSettings(
-            config.redis_url,
-            info.identity.revision,
-            max_bytes=config.embedding_cache_bytes,
-            ttl_s=config.embedding_cache_ttl_s,
-        ),
+        CacheSettings.for_service(config, info.identity.revision),
         on_event=metrics.cache_event,
     )
     runner = VisionRunner(info.adapter, model)

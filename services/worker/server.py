@@ -279,14 +279,7 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
     info = load_model_info(config.model)
     model = info.adapter.load_model(device=config.device, dtype=dtype_of(config.dtype))
     telemetry = Telemetry("worker", config.host, config.metrics_port)
-    cache = EmbeddingCache(
-        CacheSettings(
-            config.redis_url,
-            info.identity.revision,
-            max_bytes=config.embedding_cache_bytes,
-            ttl_s=config.embedding_cache_ttl_s,
-        )
-    )
+    cache = EmbeddingCache(CacheSettings.for_service(config, info.identity.revision))
     loop = EngineLoop(Engine(info.adapter, model, engine_config(config)), nice=config.compute_nice)
     loop.start()
     metrics = WorkerMetrics.create(telemetry.meter, lambda: loop.kv_state)

@@ -3,7 +3,6 @@ KV budget from GPU memory (the arithmetic; the measuring needs CUDA)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,7 +10,6 @@ import torch
 
 from services.common import config as config_lib
 from services.common.config import ConfigError
-from services.models.registry import load_adapter
 from services.worker.config import WorkerConfig
 from services.worker.engine.attention import choose_backend, default_block_size, make_backend
 from services.worker.engine.config import EngineConfig
@@ -19,12 +17,6 @@ from services.worker.engine.engine import Engine
 from services.worker.engine.memory import MemoryProfile, kv_budget
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_model_dir: Path) -> tuple[Any, Any]:
-    adapter = load_adapter(tiny_model_dir)
-    return adapter, adapter.load_model()
 
 
 def test_auto_choice() -> None:

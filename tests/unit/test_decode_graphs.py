@@ -6,14 +6,11 @@ sequences' slots and the scratch block, and keeps one packed layout per bucket (
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from services.models.registry import load_adapter
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.cuda_graphs import graph_buckets
 from services.worker.engine.engine import Engine
@@ -22,19 +19,7 @@ from services.worker.engine.scheduler import ScheduledChunk
 from services.worker.engine.sequence import Sequence
 from tests.engine_support import Result, build_prompt, collect, drain, image
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_model_dir: Path) -> tuple[Any, Any]:
-    adapter = load_adapter(tiny_model_dir)
-    return adapter, adapter.load_model()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def graph_engine(loaded: tuple[Any, Any], **overrides: Any) -> Engine:

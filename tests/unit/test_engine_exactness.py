@@ -4,14 +4,11 @@ chunked in the first two), with prefix caching on and off, arrivals and embeddin
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from services.models.registry import load_adapter
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingOptions
@@ -20,19 +17,7 @@ from tests.engine_support import Prompt, Result, build_prompt, collect, drain, i
 LONG = "the quick brown fox jumps over the lazy dog while a small cat watches from the warm window " * 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """One thread per op: tiny ops gain nothing from more, and a busy 2-core box stalls their sync."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_model_dir: Path) -> tuple[Any, Any]:
-    adapter = load_adapter(tiny_model_dir)
-    return adapter, adapter.load_model()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

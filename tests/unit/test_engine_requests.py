@@ -4,14 +4,12 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from services.models.registry import load_adapter
 from services.worker.engine.attention.kv_cache import KVShape
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
@@ -22,19 +20,7 @@ LONG = "a long shared system preamble about many things that every request start
 GREEDY = SamplingOptions(max_tokens=12)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """One thread per op: tiny ops gain nothing from more, and a busy 2-core box stalls their sync."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_model_dir: Path) -> tuple[Any, Any]:
-    adapter = load_adapter(tiny_model_dir)
-    return adapter, adapter.load_model()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_engine(loaded: tuple[Any, Any], **overrides: Any) -> Engine:

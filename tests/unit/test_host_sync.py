@@ -8,8 +8,6 @@ code and in transformers'. Each step that samples must make exactly one, and it 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +15,6 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from services.models.registry import load_adapter
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingOptions
@@ -27,6 +24,9 @@ HOST_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__",
 aten = torch.ops.aten
 SYNCING_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.is_nonzero.default, aten.equal.default,
                aten.masked_select.default, aten._unique2.default, aten.unique_consecutive.default}  # fmt: skip
+
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class HostReads(TorchFunctionMode):
@@ -59,20 +59,6 @@ class SyncingOps(TorchDispatchMode):
         if func in SYNCING_OPS or boolean_index or unsized_repeat:
             self.calls.append(str(func))
         return func(*args, **kwargs)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_model_dir: Path) -> tuple[Any, Any]:
-    adapter = load_adapter(tiny_model_dir)
-    return adapter, adapter.load_model()
 
 
 SAMPLINGS = [

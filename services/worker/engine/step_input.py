@@ -125,6 +125,15 @@ def build_step_input(
     )
 
 
+def extend_table(ints: list[int], table: list[int], width: int, pad: int = 0) -> None:
+    """Append ``table`` cut or padded (with ``pad``) to exactly ``width`` block ids."""
+    if len(table) >= width:
+        ints.extend(table[:width])
+    else:
+        ints.extend(table)
+        ints.extend([pad] * (width - len(table)))
+
+
 def _start(chunk: ScheduledChunk) -> int:
     return chunk.start
 

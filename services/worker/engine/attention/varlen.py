@@ -18,7 +18,7 @@ import torch
 
 from services.models.varlen_attention import VarlenFn
 from services.worker.engine.attention.kv_cache import PAGED, KVCache
-from services.worker.engine.step_input import StepInput
+from services.worker.engine.step_input import StepInput, extend_table
 
 CAUSAL = (-1, 0)
 
@@ -56,12 +56,7 @@ def lay_out_varlen(step: StepInput, block_size: int, table_width: int | None = N
     ints.extend(accumulate(contexts))
     ints.extend(contexts)
     for chunk in rows:
-        table = chunk.seq.block_table
-        if len(table) >= width:
-            ints.extend(table[:width])
-        else:
-            ints.extend(table)
-            ints.extend([0] * (width - len(table)))
+        extend_table(ints, chunk.seq.block_table, width)
     if padding is not None:
         ints.extend([padding.scratch_block] * (pad * width))
     max_k = width * block_size if table_width is not None else max(contexts)
