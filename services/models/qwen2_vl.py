@@ -8,6 +8,7 @@ vision tower (window attention), whose inputs `qwen2_vl_vision.plan_vision` comp
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,13 +34,17 @@ if TYPE_CHECKING:  # PIL only for annotations: the worker's model side runs with
     from PIL import Image
 
 
+log = logging.getLogger(__name__)
+
+
 class Qwen2VLAdapter:
     """Adapter for one Qwen2-VL / Qwen2.5-VL model folder.
 
     Holds config, tokenizer and image processor (never the weights: `load_model` returns them to the
-    caller, who passes the model back into the compute methods). Stateless between calls, so one
-    instance may serve many threads. Invariant: `image_tokens(w, h)` equals the token count the saved
-    image processor produces for a w x h image.
+    caller, who passes the model back into the compute methods). Stateless between calls (but for turning
+    off vision planning for good when the tower refuses it), so one instance may serve many threads.
+    Invariant: `image_tokens(w, h)` equals the token count the saved image processor produces for a w x h
+    image.
     """
 
     def __init__(
@@ -59,6 +64,7 @@ class Qwen2VLAdapter:
         self.merge_size: int = int(vision.spatial_merge_size)
         self.temporal_patch_size: int = int(vision.temporal_patch_size)
         self._special_tokens: list[str] = []
+        self._vision_planning = planning_available()  # turned off for good if the tower refuses the plan
         if image_processor is not None:
             self._check_processor_matches_model()
         if tokenizer is not None:
@@ -175,10 +181,8 @@ class Qwen2VLAdapter:
         if not items:
             return []
         with torch.no_grad():
-            if planning_available():
-                plan = plan_vision([item.grid_thw for item in items], model.config.vision_config)
-                out = run_vision_tower(model.model.visual, [item.pixel_values for item in items], plan)
-            else:  # an older transformers (a GPU machine's): the tower plans itself, with host syncs
+            out = self._encode_planned(model, items) if self._vision_planning else None
+            if out is None:  # an older transformers (a GPU machine's): the tower plans itself, with host syncs
                 out = self._encode_unplanned(model, items)
         for index, (item, rows) in enumerate(zip(items, out, strict=True)):
             expected = mrope.item_length(item.grid_thw, self.merge_size)
@@ -187,6 +191,17 @@ class Qwen2VLAdapter:
         return out
 
     # ----- language model (worker) -----
+
+    def _encode_planned(self, model: torch.nn.Module, items: list[PixelInputs]) -> list[torch.Tensor] | None:
+        """`run_vision_tower` with the host plan; None (and planning off from now on) when this transformers'
+        tower does not take every planned input (it refuses one as a duplicate keyword)."""
+        plan = plan_vision([item.grid_thw for item in items], model.config.vision_config)
+        try:
+            return run_vision_tower(model.model.visual, [item.pixel_values for item in items], plan)
+        except TypeError as exc:
+            log.warning("vision tower takes no planned inputs (%s): it plans them itself, with host syncs", exc)
+            self._vision_planning = False
+            return None
 
     def _encode_unplanned(self, model: torch.nn.Module, items: list[PixelInputs]) -> list[torch.Tensor]:
         visual = model.model.visual

@@ -51,11 +51,11 @@ class VisionPlan:
         return int(self.position_ids.shape[0])
 
     def int_tensors(self) -> list[torch.Tensor]:
-        """The integer tensors the device needs, in a fixed order (see `on_device`)."""
+        """The integer tensors the device needs, in a fixed order (see `tower_kwargs`); ``grid_thw`` last."""
         parts = [self.position_ids, self.cu_seqlens]
         if self.window_index is not None and self.cu_window_seqlens is not None:
             parts += [self.window_index, self.cu_window_seqlens]
-        return parts
+        return parts + [self.grid_thw]
 
     def tower_kwargs(self, device_ints: list[torch.Tensor]) -> dict[str, Any]:
         """The tower's precomputed keyword arguments, given `int_tensors` on the device (same order)."""
@@ -142,9 +142,10 @@ def run_vision_tower(visual: torch.nn.Module, pixels: list[torch.Tensor], plan: 
     if sum(int(p.shape[0]) for p in pixels) != plan.patches:
         raise ValueError(f"{sum(int(p.shape[0]) for p in pixels)} pixel rows for {plan.patches} planned patches")
     device_pixels = stage(pixels, weight.dtype, weight.device)
-    kwargs = plan.tower_kwargs(stage_ints(plan.int_tensors(), weight.device))
-    # grid_thw stays on the host: with every derived input given, the tower never reads it
-    merged = visual(device_pixels, grid_thw=plan.grid_thw, **kwargs).pooler_output
+    device_ints = stage_ints(plan.int_tensors(), weight.device)
+    # grid_thw rides along on the device: a tower given every derived input never reads it, and one that
+    # recomputes something from it must not get host tensors
+    merged = visual(device_pixels, grid_thw=device_ints[-1].long(), **plan.tower_kwargs(device_ints)).pooler_output
     if merged.shape[0] != sum(plan.rows):
         raise RuntimeError(f"vision tower returned {merged.shape[0]} rows, the plan has {sum(plan.rows)}")
     return list(merged.split(plan.rows))

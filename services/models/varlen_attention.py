@@ -29,20 +29,23 @@ VarlenFn = Callable[..., Any]
 
 
 @functools.cache
-def torch_varlen_attn() -> VarlenFn | None:
-    """torch's `varlen_attn` when this torch has one that takes a paged KV (`block_table`), else None."""
+def torch_varlen_attn(paged: bool = True) -> VarlenFn | None:
+    """torch's `varlen_attn` when this torch has one (that takes a paged KV, `block_table`, when ``paged``)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    if "block_table" not in inspect.signature(varlen_attn).parameters:
+    if paged and "block_table" not in inspect.signature(varlen_attn).parameters:
         return None
     return varlen_attn
 
 
-def flash_supports(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch's FlashAttention kernel can run here: CUDA, float16/bfloat16, and a paged `varlen_attn`."""
-    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and torch_varlen_attn() is not None
+def flash_supports(device: torch.device, dtype: torch.dtype, paged: bool = True) -> bool:
+    """Whether torch's FlashAttention kernel can run here: CUDA, float16/bfloat16, and a `varlen_attn` (paged
+    when ``paged``: the worker's KV; the vision tower's packed batch needs no pages)."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    return torch_varlen_attn(paged) is not None
 
 
 def varlen_attn_reference(

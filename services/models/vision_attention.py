@@ -68,7 +68,7 @@ def varlen_vision_attention(
     cu_k = cu_seq_lens_q if cu_seq_lens_k is None else cu_seq_lens_k
     max_k = max_length_q if max_length_k is None else max_length_k
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D], last dim contiguous: no copy
-    fn = torch_varlen_attn() if flash_supports(q.device, q.dtype) else varlen_attn_reference
+    fn = torch_varlen_attn(paged=False) if flash_supports(q.device, q.dtype, paged=False) else varlen_attn_reference
     out = fn(
         q, k, v, _int32(cu_seq_lens_q), _int32(cu_k), int(max_length_q), int(max_k),
         scale=scaling, window_size=(-1, -1),
@@ -88,7 +88,7 @@ def choose_mode(mode: str, device: torch.device, dtype: torch.dtype) -> str:
     if mode not in MODES:
         raise ValueError(f"vision attention mode {mode!r}; use one of {', '.join(MODES)}")
     if mode == "auto":
-        return "varlen" if flash_supports(device, dtype) else "sdpa"
+        return "varlen" if flash_supports(device, dtype, paged=False) else "sdpa"
     return mode
 
 
@@ -106,7 +106,9 @@ def install_vision_attention(model: torch.nn.Module, mode: str = "auto") -> str:
     if chosen == "varlen":
         AttentionInterface.register(ATTENTION_NAME, varlen_vision_attention)
         model.set_attn_implementation({VISION_KEY: ATTENTION_NAME})
-        kernel = "torch varlen_attn" if flash_supports(param.device, param.dtype) else "varlen_attn_reference"
+        kernel = (
+            "torch varlen_attn" if flash_supports(param.device, param.dtype, paged=False) else "varlen_attn_reference"
+        )
         log.info("vision attention: one %s call per layer per batch (%s, %s)", kernel, param.device, param.dtype)
     elif vision._attn_implementation == ATTENTION_NAME:
         model.set_attn_implementation({VISION_KEY: "sdpa"})

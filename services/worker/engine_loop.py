@@ -70,6 +70,7 @@ class EngineLoop:
         def add() -> None:
             self._sinks[request.request_id] = sink
             self._engine.add_request(request)
+
         self._commands.put(add)
 
     def provide_embedding(self, mm_hash: str, tensor: Any) -> None:
@@ -79,6 +80,7 @@ class EngineLoop:
         def abort() -> None:
             self._sinks.pop(request_id, None)
             self._engine.abort(request_id)
+
         self._commands.put(abort)
 
     def submit(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
@@ -90,6 +92,7 @@ class EngineLoop:
                 future.set_result(fn(self._engine))
             except Exception as exc:  # handed to the caller, not the loop
                 future.set_exception(exc)
+
         self._commands.put(run)
         return future
 
@@ -99,6 +102,7 @@ class EngineLoop:
         The future's result is the admission time (worker clock; the sink is registered), None when refused;
         a request the engine rejects (ValueError) sets the exception and holds nothing.
         """
+
         def admit(engine: Any) -> bool:
             if not engine.reserve(request.request_id, projected_tokens):
                 return None
@@ -109,6 +113,7 @@ class EngineLoop:
                 raise
             self._sinks[request.request_id] = sink
             return time.time()  # reserved, before the snapshot that follows this command
+
         return self.submit(admit)
 
     def _snapshot(self) -> None:
@@ -129,6 +134,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         lower_priority(self._nice)  # admission replies and heartbeats must not wait behind the model
+        self._engine.bind_thread()
         while not self._stopped.is_set():
             try:
                 self._drain(block=not self._engine.has_work())

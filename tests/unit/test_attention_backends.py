@@ -15,6 +15,7 @@ from services.worker.engine.attention import choose_backend, default_block_size,
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.memory import MemoryProfile, kv_budget
+from services.worker.engine.model_runner import resolve_graph_mode
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
 
@@ -26,8 +27,8 @@ def test_auto_choice() -> None:
     assert choose_backend("auto", CPU, torch.float32, 24, 0) == "sdpa"
     assert choose_backend("auto", CUDA, torch.bfloat16, 128, 0) == "flash"
     assert choose_backend("auto", CUDA, torch.float16, 128, 512) == "flash"
-    assert choose_backend("auto", CUDA, torch.float32, 128, 0) == "flash-reference"  # the kernel is fp16/bf16 only
-    assert choose_backend("auto", CUDA, torch.bfloat16, 128, 16) == "flash-reference"  # not a multiple of 256
+    assert choose_backend("auto", CUDA, torch.float32, 128, 0) == "sdpa"  # the kernel is fp16/bf16 only
+    assert choose_backend("auto", CUDA, torch.bfloat16, 128, 16) == "sdpa"  # not a multiple of 256
     assert choose_backend("sdpa", CUDA, torch.bfloat16, 128, 0) == "sdpa"
     assert [default_block_size(n) for n in ("flash", "flash-reference", "sdpa", "cpu-kernel")] == [256, 16, 16, 16]
 
@@ -75,7 +76,7 @@ def test_cpu_defaults_and_warm_up(loaded: tuple[Any, Any]) -> None:
 
 
 def test_settings_are_checked() -> None:
-    for bad in ({"attention_backend": "fast"}, {"cuda_graphs": "on"}, {"gpu_memory_utilization": 0.0},
+    for bad in ({"attention_backend": "fast"}, {"cuda_graphs": "yes"}, {"gpu_memory_utilization": 0.0},
                 {"gpu_memory_utilization": 1.5}, {"block_size": -1}, {"kv_cache_bytes": -5}):  # fmt: skip
         with pytest.raises(ValueError):
             EngineConfig(**bad)
@@ -94,3 +95,17 @@ def test_kv_budget_from_memory() -> None:
     assert kv_budget(profile, 0.9, gib // 4) == int(72 * gib) - 21 * gib - gib // 4
     with pytest.raises(ValueError, match="raise EPD_GPU_MEMORY_UTILIZATION"):
         kv_budget(profile, 0.25, 0)
+
+
+def test_graph_modes() -> None:
+    """auto captures only with the real kernel on CUDA; on captures flash-reference too (checks); eager anywhere."""
+    assert resolve_graph_mode("auto", CUDA, "flash", "default") == "auto"
+    assert resolve_graph_mode("auto", CUDA, "flash-reference", "default") == "off"  # pads rows to max_model_len
+    assert resolve_graph_mode("auto", CPU, "flash-reference", "default") == "off"
+    assert resolve_graph_mode("on", CUDA, "flash-reference", "default") == "on"
+    assert resolve_graph_mode("eager", CPU, "flash-reference", "default") == "eager"
+    assert resolve_graph_mode("auto", CUDA, "flash", "dynamic") == "off"  # branches on position values
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        resolve_graph_mode("on", CPU, "flash-reference", "default")
+    with pytest.raises(ValueError, match="varlen attention backend"):
+        resolve_graph_mode("eager", CPU, "sdpa", "default")

@@ -96,15 +96,25 @@ def test_run_vision_tower_checks_pixels_against_the_plan(tiny_model_dir) -> None
 def test_encode_without_vision_utils_falls_back_to_the_towers_own_planning(
     tiny_model_dir, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An older transformers (a GPU machine's) has no `vision_utils`: `encode` lets the tower plan, same numbers."""
-    from services.models import qwen2_vl_vision
+    """An older transformers (a GPU machine's) has no `vision_utils`, or a tower that refuses a planned input:
+    `encode` lets the tower plan, with the same numbers."""
+    from services.models import qwen2_vl, qwen2_vl_vision
+    from services.models.qwen2_vl import Qwen2VLAdapter
 
-    adapter = load_model_info(tiny_model_dir).adapter
+    adapter = Qwen2VLAdapter.from_folder(tiny_model_dir)
     model = adapter.load_model()
     items = _items()
     planned = adapter.encode(model, items)
+
+    def refuses(*args, **kwargs):
+        raise TypeError("forward() got multiple values for keyword argument 'cu_seqlens'")
+
+    monkeypatch.setattr(qwen2_vl, "run_vision_tower", refuses)
+    refused = adapter.encode(model, items)
+    assert not adapter._vision_planning  # off for good: the next call goes straight to the tower's own planning
     monkeypatch.setattr(qwen2_vl_vision, "vision_utils", None)
-    assert not qwen2_vl_vision.planning_available()
-    unplanned = adapter.encode(model, items)
-    for a, b in zip(planned, unplanned, strict=True):
-        assert torch.equal(a, b)
+    older = Qwen2VLAdapter.from_folder(tiny_model_dir)
+    assert not qwen2_vl_vision.planning_available() and not older._vision_planning
+    unplanned = older.encode(model, items)
+    for a, b, c in zip(planned, refused, unplanned, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)

@@ -8,7 +8,7 @@ import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION_BACKENDS = ("auto", "cpu-kernel", "sdpa", "flash", "flash-reference")
-CUDA_GRAPH_MODES = ("auto", "off", "eager")
+CUDA_GRAPH_MODES = ("auto", "on", "off", "eager")
 CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
 """The KV budget when ``kv_cache_bytes`` is 0 and the engine is not on CUDA."""
 
@@ -32,13 +32,14 @@ class EngineConfig:
     token), and a step costs about a full decode step at most.
 
     ``attention_backend`` names one of ``ATTENTION_BACKENDS`` (services/worker/engine/attention/): ``"auto"``
-    picks ``flash`` on CUDA in float16/bfloat16, ``flash-reference`` on CUDA otherwise, and on the CPU the
+    picks ``flash`` on CUDA in float16/bfloat16, ``sdpa`` on CUDA otherwise, and on the CPU the
     compiled ``cpu-kernel`` where it applies (float32, 16-token blocks, head dims a multiple of 16, a C
     compiler) else ``sdpa``.
 
-    ``cuda_graphs``: ``"auto"`` replays decode-only steps as CUDA graphs on CUDA with a varlen backend
-    (``flash``, ``flash-reference``); ``"off"`` never; ``"eager"`` runs the same padded static-buffer path
-    without capturing (what the CPU tests use to prove the machinery).
+    ``cuda_graphs``: ``"auto"`` replays decode-only steps as CUDA graphs with ``flash`` on CUDA; ``"on"``
+    captures with ``flash-reference`` too (which pads rows to ``max_model_len``: for checks with a short one);
+    ``"off"`` never; ``"eager"`` runs the same padded static-buffer path without capturing (what the CPU tests
+    use to prove the machinery).
     """
 
     block_size: int = 0

@@ -29,7 +29,8 @@ SMALL_BUCKETS = (1, 2, 4, 8)
 BUCKET_STEP = 16
 
 Forward = Callable[[StepInput, torch.Tensor], torch.Tensor]
-"""``(step, packed ints on the device) -> logits [rows, vocab]`` of every row of the step."""
+"""``(step, packed ints on the device) -> logits [rows, vocab]`` of every row of the step (the runner's; passed
+in each call rather than held, so the graphs keep no reference back to the runner)."""
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -53,10 +54,9 @@ class DecodeGraphs:
     """
 
     def __init__(
-        self, forward: Forward, backend: AttentionBackend, io: HostDevice, max_num_seqs: int, table_width: int,
-        scratch_block: int, vocab_size: int, logits_dtype: torch.dtype, capture: bool,
+        self, backend: AttentionBackend, io: HostDevice, max_num_seqs: int, table_width: int, scratch_block: int,
+        vocab_size: int, logits_dtype: torch.dtype, capture: bool,
     ) -> None:  # fmt: skip
-        self.forward = forward
         self.backend = backend
         self.io = io
         self.buckets = graph_buckets(max_num_seqs)
@@ -69,6 +69,7 @@ class DecodeGraphs:
         self.logits = torch.zeros(largest, vocab_size, dtype=logits_dtype, device=device) if capture else None
         self._graphs: dict[int, _Captured] = {}
         self.steps = 0  # steps run through the graphs (replayed, or eagerly without capture)
+        self.last_step: StepInput | None = None  # the step whose ints ``static`` holds
 
     def bucket_for(self, chunks: list[ScheduledChunk]) -> int | None:
         """The bucket a step of ``chunks`` pads to, or None when it must run eagerly."""
@@ -83,42 +84,47 @@ class DecodeGraphs:
     def padding(self, bucket: int, rows: int) -> PaddedRows:
         return PaddedRows(bucket - rows, self.scratch_block, self.scratch_block * self.backend.block_size)
 
-    def run(self, step: StepInput) -> torch.Tensor:
-        """Logits ``[b, vocab]`` of every row of the padded ``step`` (``b`` rows, laid out with ``table_width``)."""
+    def run(self, step: StepInput, forward: Forward) -> torch.Tensor:
+        """Logits ``[b, vocab]`` of every row of the padded ``step`` (``b`` rows, laid out with ``table_width``);
+        ``forward`` is what was captured (run eagerly without capture)."""
         self.io.upload(step.ints, torch.int64, out=self.static)
         self.steps += 1
+        self.last_step = step
+        return self.rerun(step, forward)
+
+    def rerun(self, step: StepInput, forward: Forward) -> torch.Tensor:
+        """The forward of the step ``run`` last uploaded, alone: a graph replay, or the eager forward. Running it
+        again rewrites the same K/V into the same slots (benchmarks time it as the bare decode step)."""
         if not self.capture_graphs:
-            return self.forward(step, self.static[: len(step.ints)])
+            return forward(step, self.static[: len(step.ints)])
         captured = self._graphs[step.num_tokens]
         if captured.layout != step.layout:
             raise RuntimeError(f"step layout {step.layout} differs from the captured {captured.layout}")
         captured.graph.replay()
         return self.logits[: step.num_tokens]
 
-    def rerun(self, step: StepInput) -> torch.Tensor:
-        """The forward of the step ``run`` last uploaded, alone: a graph replay, or the eager forward (benchmarks
-        time this as the bare decode step)."""
-        if not self.capture_graphs:
-            return self.forward(step, self.static[: len(step.ints)])
-        self._graphs[step.num_tokens].graph.replay()
-        return self.logits[: step.num_tokens]
-
     def sample_rows(self, step: StepInput) -> torch.Tensor:
         """The rows to sample, as a view of the static buffer (``run`` put them there)."""
         return self.static[step.sample_at : step.sample_at + len(step.sample_rows)]
 
-    def capture(self) -> None:
-        """Capture every bucket's graph, largest first, sharing one memory pool (CUDA only)."""
+    @torch.inference_mode()
+    def capture(self, forward: Forward) -> None:
+        """Capture ``forward`` for every bucket, largest first, sharing one memory pool (CUDA only). Each bucket
+        is warmed up on the capture's side stream first (lazy initialisation, cuBLAS workspaces)."""
         pool = None
+        stream = torch.cuda.Stream()
         for bucket in reversed(self.buckets):
             step = self.dummy_step(bucket)
             self.io.upload(step.ints, torch.int64, out=self.static)
             packed = self.static[: len(step.ints)]
-            self.logits[:bucket].copy_(self.forward(step, packed))  # warm-up: lazy initialisation outside the graph
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.logits[:bucket].copy_(forward(step, packed))
+            torch.cuda.current_stream().wait_stream(stream)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[:bucket].copy_(self.forward(step, packed))
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self.logits[:bucket].copy_(forward(step, packed))
             pool = graph.pool()
             self._graphs[bucket] = _Captured(graph, step.layout)
         torch.cuda.synchronize()

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.engine.host_device import HostDevice
+
 
 @dataclass(frozen=True)
 class EmbeddingStats:
@@ -25,10 +27,10 @@ class EmbeddingPool:
     hash is in both.
     """
 
-    def __init__(self, buffer_bytes: int, dtype: torch.dtype, device: str) -> None:
+    def __init__(self, buffer_bytes: int, dtype: torch.dtype, io: HostDevice) -> None:
         self.buffer_bytes = buffer_bytes
         self.dtype = dtype
-        self.device = device
+        self.io = io
         self.refs: dict[str, int] = {}
         self.pinned: dict[str, torch.Tensor] = {}
         self.buffered: OrderedDict[str, torch.Tensor] = OrderedDict()
@@ -46,7 +48,7 @@ class EmbeddingPool:
 
     def provide(self, mm_hash: str, tensor: torch.Tensor) -> None:
         """Keep an arrived embedding: pinned if a request needs it, else buffered."""
-        tensor = tensor.to(device=self.device, dtype=self.dtype)
+        tensor = self.io.to_device(tensor, self.dtype)  # staged: an arriving embedding never waits for a step
         if mm_hash in self.refs:
             self.pinned[mm_hash] = tensor
             return

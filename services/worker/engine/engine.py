@@ -29,13 +29,19 @@ class Engine:
         self.runner = ModelRunner(adapter, model, config)
         self.config = config = self.runner.config  # automatic settings resolved (backend, block size, KV bytes)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.embeddings = EmbeddingPool(config.embedding_buffer_bytes, config.torch_dtype, config.device)
+        self.embeddings = EmbeddingPool(config.embedding_buffer_bytes, config.torch_dtype, self.runner.io)
         self.scheduler = Scheduler(config, self.block_manager, self.embeddings)
         self.sampler = Sampler(config.seed, self.runner.io)
         self.eos_token_ids = frozenset(adapter.eos_token_ids)
         self.max_model_len = self.runner.max_model_len
         self.requests: dict[str, Sequence] = {}
         self._stalled = False  # the last step scheduled nothing and nothing has changed since
+
+    def bind_thread(self) -> None:
+        """Call first on the thread that will run the engine: it makes the engine's CUDA device that thread's
+        current device (streams, events and graph replays use the current device)."""
+        if self.runner.device.type == "cuda":
+            torch.cuda.set_device(self.runner.device)
 
     # ----- reservations (the router's admission) -----
 

@@ -1,9 +1,10 @@
 """Moving step data between host and device: staged uploads, and the one counted door back to the host.
 
 A step uploads its packed ints (and the sampler its few parameters) and downloads the sampled token ids;
-nothing else crosses. On CUDA an upload goes through a pinned staging buffer with a non-blocking copy
-(a copy from pageable memory blocks the host until the device has caught up); on the CPU it is the
-host tensor itself, or one copy into a given static buffer.
+nothing else crosses, but the embeddings that arrive between steps. On CUDA an upload goes through a
+pinned staging buffer with a non-blocking copy (a copy from pageable memory waits for the device to catch
+up with everything queued before it); on the CPU it is the host tensor itself, or one copy into a given
+static buffer.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from array import array
 import torch
 
 _TYPECODES = {torch.int64: "q", torch.int32: "i", torch.float32: "f"}
+RING = 4
+"""Staging buffers per dtype, used in turn: a buffer is refilled four uploads after its last copy was queued."""
 
 
 class _Stage:
@@ -28,8 +31,8 @@ class HostDevice:
 
     Invariant: the engine reads device values on the host only through ``to_host`` (counted in
     ``downloads``), so a step's host synchronisations can be counted. A staging buffer is refilled only
-    after its previous copy finished (``waits`` counts those event waits; the step's download normally has
-    already covered them, so they return at once).
+    after its previous copy finished: each dtype has a ring of ``RING`` buffers, so the wait (``waits``
+    counts them) is for a copy queued several uploads ago, long done.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -37,7 +40,8 @@ class HostDevice:
         self.downloads = 0
         self.waits = 0
         self._staged = device.type == "cuda"
-        self._stages: dict[torch.dtype, _Stage] = {}
+        self._rings: dict[torch.dtype, list[_Stage | None]] = {}
+        self._turn: dict[torch.dtype, int] = {}
 
     def upload(
         self, values: list[int] | list[float], dtype: torch.dtype, out: torch.Tensor | None = None
@@ -47,15 +51,16 @@ class HostDevice:
         host = torch.frombuffer(array(_TYPECODES[dtype], values), dtype=dtype) if count else torch.empty(0, dtype=dtype)
         if not self._staged:
             return host if out is None else out[:count].copy_(host)
-        stage = self._stage(dtype, count)
-        if stage.event is not None:
-            self.waits += 1
-            stage.event.synchronize()
-        stage.buffer[:count].copy_(host)
         target = out[:count] if out is not None else torch.empty(count, dtype=dtype, device=self.device)
-        target.copy_(stage.buffer[:count], non_blocking=True)
-        stage.event = torch.cuda.Event()
-        stage.event.record()
+        return self._copy_staged(host, target)
+
+    def to_device(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor (an embedding that arrived) on the device in ``dtype``, staged as uploads are."""
+        tensor = tensor.to(dtype)
+        if not self._staged or tensor.device.type != "cpu":
+            return tensor.to(self.device)
+        target = torch.empty(tensor.shape, dtype=dtype, device=self.device)
+        self._copy_staged(tensor.reshape(-1), target.view(-1))
         return target
 
     def to_host(self, tensor: torch.Tensor) -> list:
@@ -63,11 +68,24 @@ class HostDevice:
         self.downloads += 1
         return tensor.tolist()
 
+    def _copy_staged(self, host: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        count = host.numel()
+        stage = self._stage(host.dtype, count)
+        stage.buffer[:count].copy_(host)
+        target.copy_(stage.buffer[:count], non_blocking=True)
+        stage.event = torch.cuda.Event()
+        stage.event.record()
+        return target
+
     def _stage(self, dtype: torch.dtype, count: int) -> _Stage:
-        stage = self._stages.get(dtype)
+        """The next buffer of ``dtype``'s ring, free (its last copy done) and holding ``count`` values."""
+        ring = self._rings.setdefault(dtype, [None] * RING)
+        turn = self._turn.get(dtype, 0)
+        self._turn[dtype] = (turn + 1) % RING
+        stage = ring[turn]
+        if stage is not None and stage.event is not None:
+            self.waits += 1
+            stage.event.synchronize()
         if stage is None or stage.buffer.numel() < count:
-            if stage is not None and stage.event is not None:
-                stage.event.synchronize()
-            stage = _Stage(dtype, max(count, 2 * (stage.buffer.numel() if stage else 4096)))
-            self._stages[dtype] = stage
+            stage = ring[turn] = _Stage(dtype, max(count, 2 * (stage.buffer.numel() if stage else 4096)))
         return stage

@@ -18,6 +18,7 @@ from services.worker.engine.cuda_graphs import DecodeGraphs
 from services.worker.engine.embeddings import EmbeddingPool
 from services.worker.engine.host_device import HostDevice
 from services.worker.engine.memory import kv_budget, profile_cuda
+from services.worker.engine.sampler import filter_top_k_top_p
 from services.worker.engine.scheduler import ScheduledChunk
 from services.worker.engine.sequence import Sequence
 from services.worker.engine.step_input import StepInput, build_step_input
@@ -57,7 +58,7 @@ class ModelRunner:
         self.block_size = block_size = config.block_size or default_block_size(name)
         self.backend = make_backend(name, block_size, device, dtype, shape.head_dim)
         self.io = HostDevice(device)
-        graph_mode = _graph_mode(config.cuda_graphs, device, self.backend.supports_graphs)
+        graph_mode = resolve_graph_mode(config.cuda_graphs, device, name, _rope_type(model))
         install_paged_attention(model)
         kv_bytes = config.kv_cache_bytes or self._kv_bytes_from_memory(config)
         block_bytes = shape.block_bytes(block_size, dtype)
@@ -69,12 +70,14 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or int(adapter.max_context)
         self.graphs: DecodeGraphs | None = None
         if graph_mode != "off":
-            self.graphs = DecodeGraphs(
-                self._all_logits, self.backend, self.io, config.max_num_seqs, -(-self.max_model_len // block_size),
-                self.num_blocks, int(model.config.get_text_config().vocab_size), dtype, capture=graph_mode == "auto",
-            )  # fmt: skip
-            if graph_mode == "auto":
-                self.graphs.capture()
+            width = -(-self.max_model_len // block_size)
+            vocab = int(model.config.get_text_config().vocab_size)
+            capture = graph_mode in ("auto", "on")
+            self.graphs = DecodeGraphs(self.backend, self.io, config.max_num_seqs, width, self.num_blocks, vocab,
+                                       dtype, capture=capture)  # fmt: skip
+            if capture:
+                with torch.cuda.device(device):  # capture on the engine's device, whatever is current here
+                    self.graphs.capture(self.all_logits)
         self.config = dataclasses.replace(
             config, attention_backend=name, block_size=block_size, kv_cache_bytes=kv_bytes, cuda_graphs=graph_mode
         )
@@ -110,7 +113,7 @@ class ModelRunner:
             step = build_step_input(chunks, self.block_size, embeddings, self.graphs.padding(bucket, len(chunks)))
             self.backend.lay_out(step, self.graphs.table_width)
             step.close()
-            logits = self.graphs.run(step).index_select(0, self.graphs.sample_rows(step))
+            logits = self.graphs.run(step, self.all_logits).index_select(0, self.graphs.sample_rows(step))
             return RunOutput(step.sampled, logits)
         step = build_step_input(chunks, self.block_size, embeddings)
         self.backend.lay_out(step)
@@ -131,7 +134,7 @@ class ModelRunner:
         )
         return hidden[0]
 
-    def _all_logits(self, step: StepInput, packed: torch.Tensor) -> torch.Tensor:
+    def all_logits(self, step: StepInput, packed: torch.Tensor) -> torch.Tensor:
         """Logits of every row (the decode graphs' forward)."""
         return self.adapter.compute_logits(self.model, self._hidden(step, packed))
 
@@ -143,8 +146,11 @@ class ModelRunner:
         positions = torch.arange(num_tokens, device=self.device).expand(3, 1, num_tokens)
         embeds = self.adapter.embed_prompt(self.model, ids, [])
         hidden = self.adapter.forward_hidden(self.model, embeds[None], positions, attention_mask=_NO_MASK)
-        logits = self.adapter.compute_logits(self.model, hidden[0, -num_logits:])
-        logits.float().softmax(dim=-1).sort(dim=-1)  # the sampler's largest temporaries
+        logits = self.adapter.compute_logits(self.model, hidden[0, -num_logits:]).float()
+        rows, vocab = logits.shape
+        top_k = torch.full((rows,), max(vocab // 2, 1), device=self.device)
+        top_p = torch.full((rows,), 0.9, device=self.device)
+        filter_top_k_top_p(logits, top_k, top_p).softmax(dim=-1)  # the sampler's largest temporaries
 
     def _kv_bytes_from_memory(self, config: EngineConfig) -> int:
         """``CPU_KV_CACHE_BYTES`` off CUDA; on CUDA what ``gpu_memory_utilization`` leaves after a warm-up."""
@@ -163,14 +169,33 @@ class ModelRunner:
         return budget
 
 
-def _graph_mode(requested: str, device: torch.device, supported: bool) -> str:
-    """``off``, ``eager`` or ``auto`` (capture), from the configured mode and where the engine runs."""
-    if requested == "eager" and not supported:
+def resolve_graph_mode(requested: str, device: torch.device, backend: str, rope_type: str) -> str:
+    """``off``, ``eager``, ``on`` or ``auto`` (both capture), from the configured mode and what runs here.
+
+    ``auto`` captures only with ``flash`` on CUDA: ``flash-reference`` pads every row to the graphs' fixed
+    ``max_k`` (the longest allowed context), so its graphs serve checks with a short ``max_model_len``
+    (``on``), not production. A rope that branches on position values (dynamic, longrope) cannot be captured.
+    """
+    varlen = backend in VARLEN_BACKENDS
+    if requested in ("eager", "on") and not varlen:
         raise ValueError("decode graphs need a varlen attention backend (flash or flash-reference)")
+    if requested == "on" and device.type != "cuda":
+        raise ValueError("cuda_graphs='on' captures CUDA graphs: it needs a CUDA device (use 'eager' elsewhere)")
     if requested == "auto":
-        return "auto" if device.type == "cuda" and supported else "off"
+        requested = "auto" if device.type == "cuda" and backend == "flash" else "off"
+    if requested in ("auto", "on") and rope_type in UNCAPTURABLE_ROPE:
+        log.warning("decode graphs off: rope type %s branches on position values", rope_type)
+        return "off"
     return requested
 
 
+def _rope_type(model: torch.nn.Module) -> str:
+    text = model.config.get_text_config()
+    parameters = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    return str(parameters.get("rope_type", parameters.get("type", "default")))
+
+
+VARLEN_BACKENDS = ("flash", "flash-reference")
+UNCAPTURABLE_ROPE = ("dynamic", "longrope")
 _NO_MASK = {"full_attention": None}
 """Given as ``attention_mask``: transformers builds no mask (causality is the attention backend's job)."""

@@ -32,14 +32,18 @@ class Sampler:
         if not drawn:
             return tokens
         chosen = [options[i] for i in drawn]
-        index = self.io.upload(drawn, torch.int64)
-        temperature = self.io.upload([o.temperature for o in chosen], torch.float32)
-        scaled = logits.index_select(0, index).float() / temperature[:, None]
-        vocab = scaled.shape[-1]
-        if any(0 < o.top_k < vocab or 0 < o.top_p < 1 for o in chosen):
-            top_k = self.io.upload([o.top_k if 0 < o.top_k < vocab else vocab for o in chosen], torch.int64)
-            top_p = self.io.upload([o.top_p if 0 < o.top_p < 1 else 1.0 for o in chosen], torch.float32)
-            scaled = filter_top_k_top_p(scaled, top_k, top_p)
+        rows, vocab = len(drawn), logits.shape[-1]
+        filtered = any(0 < o.top_k < vocab or 0 < o.top_p < 1 for o in chosen)
+        ints, floats = list(drawn), [o.temperature for o in chosen]
+        if filtered:
+            ints += [o.top_k if 0 < o.top_k < vocab else vocab for o in chosen]
+            floats += [o.top_p if 0 < o.top_p < 1 else 1.0 for o in chosen]
+        int_params = self.io.upload(ints, torch.int64)  # one upload per dtype: rows (+ top-k), temperatures (+ top-p)
+        float_params = self.io.upload(floats, torch.float32)
+        index = int_params[:rows]
+        scaled = logits.index_select(0, index).float() / float_params[:rows, None]
+        if filtered:
+            scaled = filter_top_k_top_p(scaled, int_params[rows:], float_params[rows:])
         probs = scaled.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, i in enumerate(drawn):

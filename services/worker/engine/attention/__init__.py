@@ -42,12 +42,12 @@ def choose_backend(requested: str, device: torch.device, dtype: torch.dtype, hea
             return "flash"
         log.warning(
             "FlashAttention's paged varlen_attn cannot run here (dtype %s, block size %s, torch %s): "
-            "attention uses flash-reference",
+            "attention uses sdpa",
             dtype,
             block_size or "auto",
             torch.__version__,
         )
-        return "flash-reference"
+        return "sdpa"
     if DecodeKernel.applies(block_size or KERNEL_BLOCK_SIZE, head_dim, dtype, device) and load_decode_kernel():
         return "cpu-kernel"
     return "sdpa"

@@ -21,6 +21,7 @@ from services.worker.engine.attention.kv_cache import PAGED, KVCache
 from services.worker.engine.step_input import StepInput, extend_table
 
 CAUSAL = (-1, 0)
+FULL = (-1, -1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +86,12 @@ class VarlenContext:
         kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
         k_pool.view(-1, kv_heads, head_dim).index_copy_(0, self.slot_mapping, key.transpose(0, 1).to(k_pool.dtype))
         v_pool.view(-1, kv_heads, head_dim).index_copy_(0, self.slot_mapping, value.transpose(0, 1).to(v_pool.dtype))
+        # one query per row, the last of its context: causal is full attention, and (-1, -1) lets FlashAttention
+        # fold a KV head's query heads into one pass (its GQA decode path needs both window sides unbounded)
+        window = FULL if self.max_q == 1 else CAUSAL
         return self.attention(
             query.transpose(0, 1), k_pool, v_pool, self.cu_seq_q, self.cu_seq_k, self.max_q, self.max_k,
-            scale=scaling, window_size=CAUSAL, enable_gqa=query.shape[0] != kv_heads, seqused_k=self.seqused_k,
+            scale=scaling, window_size=window, enable_gqa=query.shape[0] != kv_heads, seqused_k=self.seqused_k,
             block_table=self.block_table,
         )  # fmt: skip
 
