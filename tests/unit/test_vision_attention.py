@@ -168,7 +168,9 @@ def test_auto_takes_varlen_only_where_the_kernel_runs(monkeypatch: pytest.Monkey
     assert choose_mode("auto", cpu, torch.bfloat16) == "sdpa"
     assert choose_mode("varlen", cpu, torch.float32) == "varlen"
     assert choose_mode("sdpa", cuda, torch.bfloat16) == "sdpa"
-    monkeypatch.setattr(vision_attention, "flash_supports", lambda device, dtype: device.type == "cuda")
+    monkeypatch.setattr(
+        vision_attention, "flash_supports", lambda device, dtype, paged=True: device.type == "cuda" and not paged
+    )
     assert choose_mode("auto", cuda, torch.bfloat16) == "varlen"
     with pytest.raises(ValueError, match="vision attention mode"):
         choose_mode("flash", cpu, torch.float32)
@@ -182,8 +184,8 @@ def test_the_function_picks_the_kernel_by_device_and_dtype(monkeypatch: pytest.M
         seen.append({"max": (max_q, max_k), "cu": cu_q.dtype, **kwargs})
         return torch.zeros_like(q)
 
-    monkeypatch.setattr(vision_attention, "flash_supports", lambda device, dtype: True)
-    monkeypatch.setattr(vision_attention, "torch_varlen_attn", lambda: fake_kernel)
+    monkeypatch.setattr(vision_attention, "flash_supports", lambda device, dtype, paged=True: not paged)
+    monkeypatch.setattr(vision_attention, "torch_varlen_attn", lambda paged=True: fake_kernel)
     q = torch.randn(1, 2, 10, 16)
     cu = torch.tensor([0, 4, 10], dtype=torch.int64)
     out, weights = varlen_vision_attention(
