@@ -22,7 +22,7 @@ import redis
 
 from services.launch.health import wait_healthy
 
-ROUTER_PORT, ENCODER_PORT, WORKER_PORT, METRICS_PORT = 50051, 50061, 50071, 9400
+ROUTER_PORT, ENCODER_PORT, WORKER_PORT, METRICS_PORT, HTTP_PORT = 50051, 50061, 50071, 9400, 8000
 
 
 def free_port() -> int:
@@ -62,6 +62,12 @@ class LocalCluster:
     workers: list[Process]
     redis_url: str
     redis_process: subprocess.Popen | None = None
+    http_port: int = 0  # the router's OpenAI-compatible HTTP port (0: off)
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the router's HTTP API (``http://127.0.0.1:<port>``)."""
+        return f"http://127.0.0.1:{self.http_port}"
 
     @property
     def processes(self) -> list[Process]:
@@ -105,8 +111,11 @@ def ensure_redis(url: str) -> subprocess.Popen | None:
     if server is None:
         raise RuntimeError(f"no Redis answers at {url} and redis-server is not installed")
     port = redis.connection.parse_url(url).get("port", 6379)
-    popen = subprocess.Popen([server, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                              "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    popen = subprocess.Popen(
+        [server, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     for _ in range(50):
         if redis_answers(url):
             return popen
@@ -117,11 +126,22 @@ def ensure_redis(url: str) -> subprocess.Popen | None:
 
 def spawn(role: str, port: int, metrics_port: int, env: dict[str, str], log_dir: Path) -> Process:
     log_path = log_dir / f"{role}-{port}.log"
-    child_env = {**os.environ, **env, "EPD_PORT": str(port), "EPD_METRICS_PORT": str(metrics_port),
-                 "EPD_HOST": "127.0.0.1", "EPD_ADVERTISE_ADDR": f"127.0.0.1:{port}"}
+    child_env = {
+        **os.environ,
+        **env,
+        "EPD_PORT": str(port),
+        "EPD_METRICS_PORT": str(metrics_port),
+        "EPD_HOST": "127.0.0.1",
+        "EPD_ADVERTISE_ADDR": f"127.0.0.1:{port}",
+    }
     with open(log_path, "wb") as log:
-        popen = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", role], env=child_env,
-                                 stdout=log, stderr=subprocess.STDOUT, process_group=0)
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "serve", role],
+            env=child_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            process_group=0,
+        )
     return Process(role, f"127.0.0.1:{port}", metrics_port, popen, log_path)
 
 
@@ -136,17 +156,25 @@ def start_cluster(spec: ClusterSpec, timeout_s: float = 180.0) -> LocalCluster:
 
     # services share this box's cores: split them instead of letting every process use all of them
     threads = max(1, (os.cpu_count() or 1) // (spec.encoders + spec.workers))
-    base = {"EPD_MODEL": str(spec.model_dir), "EPD_REDIS_URL": spec.redis_url, "EPD_TORCH_THREADS": str(threads),
-            **spec.env}
+    base = {
+        "EPD_MODEL": str(spec.model_dir),
+        "EPD_REDIS_URL": spec.redis_url,
+        "EPD_TORCH_THREADS": str(threads),
+        **spec.env,
+    }
     metrics = iter(range(METRICS_PORT, METRICS_PORT + 1 + spec.encoders + spec.workers))
-    encoders = [spawn("encoder", port(ENCODER_PORT + i), free_port() if spec.free_ports else next(metrics),
-                       base, log_dir) for i in range(spec.encoders)]
-    workers = [spawn("worker", port(WORKER_PORT + i), free_port() if spec.free_ports else next(metrics),
-                      base, log_dir) for i in range(spec.workers)]
-    router_env = {**base, "EPD_ENCODER_ADDRS": ",".join(p.address for p in encoders)}
-    router = spawn("router", port(ROUTER_PORT), free_port() if spec.free_ports else next(metrics),
-                    router_env, log_dir)
-    cluster = LocalCluster(router, encoders, workers, spec.redis_url, redis_process)
+    encoders = [
+        spawn("encoder", port(ENCODER_PORT + i), free_port() if spec.free_ports else next(metrics), base, log_dir)
+        for i in range(spec.encoders)
+    ]
+    workers = [
+        spawn("worker", port(WORKER_PORT + i), free_port() if spec.free_ports else next(metrics), base, log_dir)
+        for i in range(spec.workers)
+    ]
+    http_port = int(spec.env["EPD_HTTP_PORT"]) if "EPD_HTTP_PORT" in spec.env else port(HTTP_PORT)
+    router_env = {**base, "EPD_ENCODER_ADDRS": ",".join(p.address for p in encoders), "EPD_HTTP_PORT": str(http_port)}
+    router = spawn("router", port(ROUTER_PORT), free_port() if spec.free_ports else next(metrics), router_env, log_dir)
+    cluster = LocalCluster(router, encoders, workers, spec.redis_url, redis_process, http_port=http_port)
     try:
         for process in cluster.processes:
             wait_healthy(process.address, timeout_s, alive=lambda p=process: p.popen.poll() is None)

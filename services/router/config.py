@@ -10,8 +10,10 @@ from services.common.config import ConfigError, ServiceConfig, env_name, require
 @dataclasses.dataclass
 class RouterConfig(ServiceConfig):
     port: int = 50051
+    http_port: int = dataclasses.field(default=8000, metadata={"help": "OpenAI-compatible HTTP API port (0 = off)"})
     encoder_addrs: list[str] = dataclasses.field(
-        default_factory=list, metadata={"help": "static encoders, used only while none is registered"})
+        default_factory=list, metadata={"help": "static encoders, used only while none is registered"}
+    )
     max_images_per_prompt: int = dataclasses.field(default=8, metadata={"help": "images per request"})
     max_item_bytes: int = dataclasses.field(default=20 << 20, metadata={"help": "bytes per media item"})
     max_request_bytes: int = dataclasses.field(default=64 << 20, metadata={"help": "media bytes per request"})
@@ -21,25 +23,40 @@ class RouterConfig(ServiceConfig):
     max_projected_tokens: int = dataclasses.field(default=131072, metadata={"help": "prompt + max_tokens cap"})
     fetch_enabled: bool = dataclasses.field(default=True, metadata={"help": "allow https media URLs"})
     fetch_allowed_hosts: list[str] = dataclasses.field(
-        default_factory=list, metadata={"help": "media URL host allowlist (empty = any public host)"})
+        default_factory=list, metadata={"help": "media URL host allowlist (empty = any public host)"}
+    )
     fetch_timeout_s: float = dataclasses.field(default=15.0, metadata={"help": "total time per media URL"})
     fetch_max_redirects: int = dataclasses.field(default=0, metadata={"help": "redirects followed, re-checked"})
     fetch_allow_loopback_for_tests: bool = dataclasses.field(
-        default=False, metadata={"help": "TESTS ONLY: let media URLs reach 127.0.0.1/::1 over http"})
+        default=False, metadata={"help": "TESTS ONLY: let media URLs reach 127.0.0.1/::1 over http"}
+    )
     admission_queue_size: int = dataclasses.field(default=64, metadata={"help": "requests waiting for KV"})
     admission_max_wait_s: float = dataclasses.field(default=2.0, metadata={"help": "longest wait for KV"})
     retry_after_ms: int = dataclasses.field(default=500, metadata={"help": "hint sent with refusals"})
     prefix_affinity_weight: float = dataclasses.field(
-        default=1.0, metadata={"help": "placement: a cached prompt block's worth in reserved blocks (0 = load only)"})
+        default=1.0, metadata={"help": "placement: a cached prompt block's worth in reserved blocks (0 = load only)"}
+    )
     request_timeout_s: float = dataclasses.field(default=120.0, metadata={"help": "per-request deadline"})
     encode_timeout_s: float = dataclasses.field(default=60.0, metadata={"help": "encoder call deadline"})
 
     def validate(self) -> None:
         super().validate()
-        for name in ("max_images_per_prompt", "max_item_bytes", "max_request_bytes", "max_image_pixels",
-                     "default_max_tokens", "request_timeout_s", "encode_timeout_s", "max_tokens_cap",
-                     "max_projected_tokens", "retry_after_ms"):
+        for name in (
+            "max_images_per_prompt",
+            "max_item_bytes",
+            "max_request_bytes",
+            "max_image_pixels",
+            "default_max_tokens",
+            "request_timeout_s",
+            "encode_timeout_s",
+            "max_tokens_cap",
+            "max_projected_tokens",
+            "retry_after_ms",
+        ):
             require_positive(name, getattr(self, name))
+        if not 0 <= self.http_port < 65536:
+            raise ConfigError(f"{env_name('http_port')}: {self.http_port} is not a port (0 turns HTTP off)")
         if self.prefix_affinity_weight < 0:
-            raise ConfigError(f"{env_name('prefix_affinity_weight')} must not be negative, "
-                              f"got {self.prefix_affinity_weight}")
+            raise ConfigError(
+                f"{env_name('prefix_affinity_weight')} must not be negative, got {self.prefix_affinity_weight}"
+            )
