@@ -43,8 +43,8 @@ def _hf_part(part: ChatPart) -> dict[str, str]:
     return {"type": "image"} if part.kind == "image" else {"type": "text", "text": part.text}
 
 
-def hf_generate(model_dir: Path, messages: list[ChatMessage], images: list[Image.Image], max_tokens: int) -> list[int]:
-    """Greedy completion token ids (prompt excluded) from `model.generate`; stops at eos or max_tokens."""
+def _generate(model_dir: Path, messages: list[ChatMessage], images: list[Image.Image], max_tokens: int, **kwargs: Any):
+    """`model.generate(do_sample=False)` on the prompt built as Qwen2VLProcessor does; its output and prompt length."""
     loaded = _load(str(Path(model_dir).resolve()))
     config = loaded.model.config
     pad = loaded.tokenizer.convert_ids_to_tokens(config.image_token_id)
@@ -69,5 +69,22 @@ def hf_generate(model_dir: Path, messages: list[ChatMessage], images: list[Image
             max_new_tokens=max_tokens,
             do_sample=False,
             **extra,
+            **kwargs,
         )
-    return out[0, input_ids.shape[1] :].tolist()
+    return out, input_ids.shape[1]
+
+
+def hf_generate(model_dir: Path, messages: list[ChatMessage], images: list[Image.Image], max_tokens: int) -> list[int]:
+    """Greedy completion token ids (prompt excluded) from `model.generate`; stops at eos or max_tokens."""
+    out, prompt_len = _generate(model_dir, messages, images, max_tokens)
+    return out[0, prompt_len:].tolist()
+
+
+def hf_generate_logits(
+    model_dir: Path, messages: list[ChatMessage], images: list[Image.Image], max_tokens: int
+) -> tuple[list[int], torch.Tensor]:
+    """`hf_generate`'s tokens and the raw logits ``[tokens, vocab]`` each was chosen from (`output_logits`)."""
+    out, prompt_len = _generate(
+        model_dir, messages, images, max_tokens, output_logits=True, return_dict_in_generate=True
+    )
+    return out.sequences[0, prompt_len:].tolist(), torch.cat(out.logits, dim=0).float()

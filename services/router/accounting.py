@@ -1,8 +1,8 @@
 """What a request costs before any GPU work: its prompt tokens, media tokens and projected total.
 
-`projected_tokens = prompt_tokens + max_tokens`; the router admits against it and returns it
-from CountTokens and in every Final usage. Token counts come from the model's own resize
-rule (the adapter), the same numbers its processor would produce.
+`projected_tokens = prompt_tokens + n x max_tokens` (n choices); the router admits against it and
+returns it from CountTokens. Token counts come from the model's own resize rule (the adapter), the
+same numbers its processor would produce.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ class Accounted:
     text_tokens: int
     image_tokens: int
     max_tokens: int
+    n: int = 1
 
     @property
     def prompt_tokens(self) -> int:
@@ -32,17 +33,22 @@ class Accounted:
 
     @property
     def projected_tokens(self) -> int:
-        return self.prompt_tokens + self.max_tokens
+        return self.prompt_tokens + self.n * self.max_tokens
 
     def token_count(self) -> generation_pb2.TokenCount:
         return generation_pb2.TokenCount(
-            prompt_tokens=self.prompt_tokens, text_tokens=self.text_tokens, image_tokens=self.image_tokens,
-            max_tokens=self.max_tokens, projected_tokens=self.projected_tokens,
-            tokens_per_item=[ref.num_tokens for ref in self.refs])
+            prompt_tokens=self.prompt_tokens,
+            text_tokens=self.text_tokens,
+            image_tokens=self.image_tokens,
+            max_tokens=self.max_tokens,
+            projected_tokens=self.projected_tokens,
+            tokens_per_item=[ref.num_tokens for ref in self.refs],
+        )
 
 
-def account(info: ModelInfo, intake: Intake, max_tokens: int) -> Accounted:
-    """Build the prompt and its media refs; INVALID_ARGUMENT if it cannot fit the model's context."""
+def account(info: ModelInfo, intake: Intake, max_tokens: int, n: int = 1) -> Accounted:
+    """Build the prompt and its media refs; INVALID_ARGUMENT if it cannot fit the model's context (each of
+    the ``n`` choices holds the prompt and its own ``max_tokens``)."""
     adapter = info.adapter
     try:
         geometry = [adapter.image_tokens(item.header.width, item.header.height) for item in intake.items]
@@ -54,13 +60,26 @@ def account(info: ModelInfo, intake: Intake, max_tokens: int) -> Accounted:
         raise invalid(str(exc)) from exc
     total = len(prompt.token_ids) + max_tokens
     if total > adapter.max_context:
-        raise invalid(f"prompt of {len(prompt.token_ids)} tokens plus max_tokens {max_tokens} is {total}, "
-                      f"longer than the model's context of {adapter.max_context} tokens")
+        raise invalid(
+            f"prompt of {len(prompt.token_ids)} tokens plus max_tokens {max_tokens} is {total}, "
+            f"longer than the model's context of {adapter.max_context} tokens"
+        )
     refs = [
         common_pb2.MediaRef(
-            mm_hash=mm_hash(info.identity, "image", item.data), modality="image",
-            offset=span.offset, num_tokens=span.length, grid_thw=list(tokens.grid_thw))
+            mm_hash=mm_hash(info.identity, "image", item.data),
+            modality="image",
+            offset=span.offset,
+            num_tokens=span.length,
+            grid_thw=list(tokens.grid_thw),
+        )
         for item, span, tokens in zip(intake.items, prompt.spans, geometry, strict=True)
     ]
-    return Accounted(prompt.token_ids, refs, [item.data for item in intake.items],
-                     prompt.text_tokens, prompt.media_tokens, max_tokens)
+    return Accounted(
+        prompt.token_ids,
+        refs,
+        [item.data for item in intake.items],
+        prompt.text_tokens,
+        prompt.media_tokens,
+        max_tokens,
+        max(n, 1),
+    )

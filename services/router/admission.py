@@ -1,7 +1,8 @@
 """Admission: a request is placed only where its projected tokens' KV blocks are reserved.
 
 A request's need on a worker is counted in that worker's own KV blocks, `ceil(projected tokens / its
-block size)` (workers may differ in block size; services/router/request_blocks.py), and every hold,
+block size)` for one choice, the shared-prompt formula for n (workers may differ in block size;
+services/router/request_blocks.py, services/common/kv_blocks.py), and every hold,
 release and `Admitted.blocks` uses the chosen worker's need. Policy, in order: no live worker ->
 UNAVAILABLE (after waiting up to the queue deadline for one to register); no worker whose capacity
 holds its own need -> FAILED_PRECONDITION; no worker with its own need unreserved in the router's

@@ -20,7 +20,8 @@ class RouterConfig(ServiceConfig):
     max_image_pixels: int = dataclasses.field(default=50_000_000, metadata={"help": "pixels per image"})
     default_max_tokens: int = dataclasses.field(default=256, metadata={"help": "when a request sets none"})
     max_tokens_cap: int = dataclasses.field(default=8192, metadata={"help": "largest max_tokens accepted"})
-    max_projected_tokens: int = dataclasses.field(default=131072, metadata={"help": "prompt + max_tokens cap"})
+    max_projected_tokens: int = dataclasses.field(default=131072, metadata={"help": "prompt + n x max_tokens cap"})
+    max_n: int = dataclasses.field(default=8, metadata={"help": "largest n (choices per request) accepted"})
     fetch_enabled: bool = dataclasses.field(default=True, metadata={"help": "allow https media URLs"})
     fetch_allowed_hosts: list[str] = dataclasses.field(
         default_factory=list, metadata={"help": "media URL host allowlist (empty = any public host)"}
@@ -51,6 +52,7 @@ class RouterConfig(ServiceConfig):
             "encode_timeout_s",
             "max_tokens_cap",
             "max_projected_tokens",
+            "max_n",
             "retry_after_ms",
         ):
             require_positive(name, getattr(self, name))

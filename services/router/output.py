@@ -1,9 +1,10 @@
-"""Incremental detokenization and stop strings for one streamed response.
+"""Incremental detokenization and stop strings for one streamed response, one state per choice.
 
 Invariant: the concatenation of every `text` returned equals the decoding of all tokens seen,
 truncated before the first stop string; text is held back while it may still be the start of a
 stop string or an incomplete UTF-8 sequence. Each token costs O(1) decoding work: only a short
 window of recent tokens is decoded (vLLM's prefix/read offsets), never the whole output.
+A request of n choices has n `ChoiceStream`s (`Choices`), each with its own detokenizer and stop state.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
+
+from services.common.rpc.epd.v1 import generation_pb2, worker_pb2
 
 _REPLACEMENT = "\ufffd"
 
@@ -38,10 +41,10 @@ class Detokenizer:
 
     def _advance(self) -> None:
         """Append the newly decodable text, holding back an incomplete UTF-8 sequence."""
-        before = self._decode(self._tokens[self._prefix:self._read])
-        after = self._decode(self._tokens[self._prefix:])
+        before = self._decode(self._tokens[self._prefix : self._read])
+        after = self._decode(self._tokens[self._prefix :])
         if len(after) > len(before) and not after.endswith(_REPLACEMENT):
-            self._text += after[len(before):]
+            self._text += after[len(before) :]
             self._prefix, self._read = self._read, len(self._tokens)
 
     def add(self, token_ids: list[int]) -> TextDelta:
@@ -56,7 +59,7 @@ class Detokenizer:
             at = self._text.find(stop, start) if stop else -1
             if at >= 0:
                 self._stopped = True
-                delta = self._text[self._emitted:at] if at > self._emitted else ""
+                delta = self._text[self._emitted : at] if at > self._emitted else ""
                 self._emitted = max(self._emitted, at)
                 return TextDelta(delta, True)
         self._searched = len(self._text)
@@ -66,7 +69,7 @@ class Detokenizer:
                 if self._text.endswith(stop[:keep]):
                     safe = min(safe, len(self._text) - keep)
                     break
-        delta = self._text[self._emitted:safe] if safe > self._emitted else ""
+        delta = self._text[self._emitted : safe] if safe > self._emitted else ""
         self._emitted = max(self._emitted, safe)
         return TextDelta(delta, False)
 
@@ -74,8 +77,84 @@ class Detokenizer:
         """At the end of the stream, release held-back text (never past a stop string)."""
         if self._stopped:
             return ""
-        text = self._text + self._decode(self._tokens[self._prefix:])[len(self._decode(
-            self._tokens[self._prefix:self._read])):]
-        delta = text[self._emitted:]
+        text = (
+            self._text
+            + self._decode(self._tokens[self._prefix :])[len(self._decode(self._tokens[self._prefix : self._read])) :]
+        )
+        delta = text[self._emitted :]
         self._emitted = len(text)
         return delta
+
+
+class TokenTexts:
+    """Each token id's own text, ``tokenizer.decode([id])`` (what vLLM puts in a logprob's ``token``; special
+    tokens kept), decoded once per id and kept: at most one string per vocabulary entry."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._tokenizer.decode([token_id])
+        return text
+
+
+@dataclass
+class ChoiceStream:
+    """One choice of a streamed response: its text so far and how it ended.
+
+    Invariant: once ``finish_reason`` is set (the worker finished it, or a stop string ended it here),
+    nothing more of this choice is streamed; ``completion_tokens`` counts the tokens streamed for it.
+    """
+
+    index: int
+    detok: Detokenizer
+    completion_tokens: int = 0
+    finish_reason: str = ""
+
+    def chunk(self, response: worker_pb2.WorkerResponse, texts: TokenTexts) -> generation_pb2.Chunk | None:
+        """The chunk to stream for the worker's response for this choice; None once the choice has ended."""
+        if self.finish_reason:
+            return None
+        self.completion_tokens += len(response.token_ids)
+        delta = self.detok.add(list(response.token_ids))
+        text = delta.text + (self.detok.flush() if response.finished and not delta.stopped else "")
+        if delta.stopped or response.finished:
+            self.finish_reason = "stop" if delta.stopped else response.finish_reason
+        for entry in response.logprobs:
+            entry.token = texts(entry.token_id)
+            for top in entry.top:
+                top.token = texts(top.token_id)
+        return generation_pb2.Chunk(
+            token_ids=response.token_ids, text=text, index=self.index, logprobs=response.logprobs
+        )
+
+
+class Choices:
+    """The ``n`` choices of one streamed response, fed the worker's responses in stream order."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str], n: int, texts: TokenTexts) -> None:
+        self.streams = [ChoiceStream(i, Detokenizer(tokenizer, list(stop))) for i in range(max(n, 1))]
+        self._texts = texts
+
+    @property
+    def done(self) -> bool:
+        """Every choice has ended: nothing more is to be streamed."""
+        return all(stream.finish_reason for stream in self.streams)
+
+    def chunk(self, response: worker_pb2.WorkerResponse) -> generation_pb2.Chunk | None:
+        """The chunk for a worker response (the choice ``response.index``), None when there is nothing to stream."""
+        if response.index >= len(self.streams):
+            raise ValueError(f"worker answered for choice {response.index} of {len(self.streams)}")
+        return self.streams[response.index].chunk(response, self._texts)
+
+    def ends(self, unfinished: str = "length") -> list[generation_pb2.ChoiceEnd]:
+        """How each choice ended (``unfinished`` for one the worker's stream left open)."""
+        return [
+            generation_pb2.ChoiceEnd(
+                index=s.index, finish_reason=s.finish_reason or unfinished, completion_tokens=s.completion_tokens
+            )
+            for s in self.streams
+        ]

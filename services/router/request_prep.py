@@ -20,6 +20,9 @@ from services.router.fetch import FetchError, FetchPolicy, fetch_media
 from services.router.intake import IntakeLimits, parse_messages
 from services.router.metrics import RouterMetrics
 
+MAX_LOGPROBS = 20
+"""The most top alternatives a request may ask for per token (`sampling.logprobs`), as OpenAI allows."""
+
 log = logging.getLogger(__name__)
 
 
@@ -35,6 +38,12 @@ def validate_sampling(sampling: common_pb2.SamplingParams, config: RouterConfig)
     out.CopyFrom(sampling)
     if out.max_tokens == 0:
         out.max_tokens = config.default_max_tokens
+    if out.n == 0:
+        out.n = 1
+    if out.n > config.max_n:
+        raise invalid(f"sampling.n must be in [1, {config.max_n}], got {out.n}")
+    if out.HasField("logprobs") and out.logprobs > MAX_LOGPROBS:
+        raise invalid(f"sampling.logprobs must be in [0, {MAX_LOGPROBS}], got {out.logprobs}")
     if out.temperature < 0:
         raise invalid(f"sampling.temperature must be >= 0, got {out.temperature}")
     if not 0 <= out.top_p <= 1:
@@ -69,12 +78,18 @@ def _is_remote(part: generation_pb2.ContentPart) -> bool:
 def fetch_policy(config: RouterConfig) -> FetchPolicy:
     """The router's one fetch policy (built once: it holds the TLS context)."""
     if config.fetch_allow_loopback_for_tests:
-        log.warning("EPD_FETCH_ALLOW_LOOPBACK_FOR_TESTS is on: media URLs may reach 127.0.0.1 over http. "
-                    "Never enable this in production.")
+        log.warning(
+            "EPD_FETCH_ALLOW_LOOPBACK_FOR_TESTS is on: media URLs may reach 127.0.0.1 over http. "
+            "Never enable this in production."
+        )
     return FetchPolicy(
-        allowed_hosts=frozenset(config.fetch_allowed_hosts) or None, max_bytes=config.max_item_bytes,
-        total_timeout_s=config.fetch_timeout_s, connect_timeout_s=min(5.0, config.fetch_timeout_s),
-        max_redirects=config.fetch_max_redirects, allow_loopback_for_tests=config.fetch_allow_loopback_for_tests)
+        allowed_hosts=frozenset(config.fetch_allowed_hosts) or None,
+        max_bytes=config.max_item_bytes,
+        total_timeout_s=config.fetch_timeout_s,
+        connect_timeout_s=min(5.0, config.fetch_timeout_s),
+        max_redirects=config.fetch_max_redirects,
+        allow_loopback_for_tests=config.fetch_allow_loopback_for_tests,
+    )
 
 
 class RequestPrep:
@@ -83,8 +98,12 @@ class RequestPrep:
         self._config = config
         self._metrics = metrics
         self._policy = fetch_policy(config) if config.fetch_enabled else None
-        self._limits = IntakeLimits(config.max_images_per_prompt, config.max_item_bytes, config.max_request_bytes,
-                                    MediaLimits(max_pixels=config.max_image_pixels))
+        self._limits = IntakeLimits(
+            config.max_images_per_prompt,
+            config.max_item_bytes,
+            config.max_request_bytes,
+            MediaLimits(max_pixels=config.max_image_pixels),
+        )
 
     def _prepare_sync(self, request: generation_pb2.GenerateRequest) -> Prepared:
         sampling = validate_sampling(request.sampling, self._config)
@@ -94,13 +113,16 @@ class RequestPrep:
             if isinstance(exc.__cause__, MediaError):
                 self._metrics.media_refusals.add(1, {"reason": str(exc.__cause__.reason)})
             raise
-        accounted = account(self._info, intake, sampling.max_tokens)  # checks the model's context first
+        accounted = account(self._info, intake, sampling.max_tokens, sampling.n)  # checks the model's context first
         if sampling.max_tokens > self._config.max_tokens_cap:
-            raise invalid(f"sampling.max_tokens {sampling.max_tokens} is above this server's cap of "
-                          f"{self._config.max_tokens_cap}")
+            raise invalid(
+                f"sampling.max_tokens {sampling.max_tokens} is above this server's cap of {self._config.max_tokens_cap}"
+            )
         if accounted.projected_tokens > self._config.max_projected_tokens:
-            raise invalid(f"request projects {accounted.projected_tokens} tokens, above this server's limit of "
-                          f"{self._config.max_projected_tokens}")
+            raise invalid(
+                f"request projects {accounted.projected_tokens} tokens, above this server's limit of "
+                f"{self._config.max_projected_tokens}"
+            )
         return Prepared(accounted, sampling)
 
     async def prepare(self, request: generation_pb2.GenerateRequest) -> Prepared:
@@ -114,8 +136,12 @@ class RequestPrep:
 
     async def _fetch_urls(self, request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateRequest:
         """A copy of `request` with every non-data: media URL replaced by its fetched bytes."""
-        targets = [(m, p) for m, message in enumerate(request.messages)
-                   for p, part in enumerate(message.content) if _is_remote(part)]
+        targets = [
+            (m, p)
+            for m, message in enumerate(request.messages)
+            for p, part in enumerate(message.content)
+            if _is_remote(part)
+        ]
         if not targets:
             return request
         if len(targets) > self._config.max_images_per_prompt:

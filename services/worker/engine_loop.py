@@ -3,7 +3,7 @@
 The engine is not thread-safe; every call into it happens on this loop's thread. Other
 threads submit commands (add, provide an embedding, abort), which run before the next step.
 Each request's outputs go to the sink given with it; the sink is dropped when the request
-finishes or is aborted, so no output is delivered after that.
+finishes (its last choice: `request_finished`) or is aborted, so no output is delivered after that.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ Sink = Callable[[Any], None]
 
 
 class EngineLike(Protocol):
+    def admit(self, request: Any) -> bool: ...
     def add_request(self, request: Any) -> None: ...
     def provide_embedding(self, mm_hash: str, tensor: Any) -> None: ...
     def abort(self, request_id: str) -> None: ...
@@ -96,21 +97,17 @@ class EngineLoop:
         self._commands.put(run)
         return future
 
-    def add_admitted(self, request: Any, projected_tokens: int, sink: Sink) -> concurrent.futures.Future:
-        """Reserve then add in one engine-thread command (atomic with respect to other admissions).
+    def add_admitted(self, request: Any, sink: Sink) -> concurrent.futures.Future:
+        """Reserve (every choice's blocks) and add in one engine-thread command (`engine.admit`: atomic with
+        respect to other admissions).
 
         The future's result is the admission time (worker clock; the sink is registered), None when refused;
         a request the engine rejects (ValueError) sets the exception and holds nothing.
         """
 
-        def admit(engine: Any) -> bool:
-            if not engine.reserve(request.request_id, projected_tokens):
+        def admit(engine: Any) -> float | None:
+            if not engine.admit(request):
                 return None
-            try:
-                engine.add_request(request)
-            except Exception:
-                engine.release(request.request_id)
-                raise
             self._sinks[request.request_id] = sink
             return time.time()  # reserved, before the snapshot that follows this command
 
@@ -142,7 +139,7 @@ class EngineLoop:
                 if self._engine.has_work():
                     for output in self._engine.step():
                         sink = self._sinks.get(output.request_id)
-                        if output.finished:
+                        if output.request_finished:
                             self._sinks.pop(output.request_id, None)
                             self.finished_at[output.request_id] = time.time()  # freed, before any later snapshot
                         if sink is not None:

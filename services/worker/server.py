@@ -5,6 +5,8 @@ Generate admits first: reserve + add run as one engine-thread command, so concur
 requests enter the engine immediately; a task per media item fetches its embedding (pushed or
 cached) and hands it over, and the engine schedules media positions only once present. A
 cancelled or failed stream aborts the request, which frees its blocks and reservation.
+A request of `sampling.n` choices streams each response for one choice (`index`); the stream
+ends once every choice finished.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import grpc
 
 from services.common import grpc_server
 from services.common.embedding_cache import CacheSettings, EmbeddingCache
+from services.common.kv_blocks import request_blocks
 from services.common.loop_mailbox import LoopMailbox
 from services.common.media import MediaLimits
 from services.common.model_info import load_model_info
 from services.common.registry import Heartbeat, Registry
-from services.common.rpc.epd.v1 import encoder_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common.rpc.epd.v1 import common_pb2, encoder_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.service_main import dtype_of
 from services.common.telemetry import Telemetry
 from services.common.transport_dist import DistError, DistReceiver
@@ -33,7 +36,7 @@ from services.worker.config import WorkerConfig
 from services.worker.embedding_store import EmbeddingStore
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions, StepOutput
+from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions, StepOutput, TokenLogprobs
 from services.worker.engine_loop import EngineLoop
 from services.worker.local_encoder import LocalEncoderServicer
 from services.worker.metrics import WorkerMetrics
@@ -54,9 +57,33 @@ def engine_request(request: worker_pb2.WorkerRequest) -> EngineRequest:
             top_k=sampling.top_k,
             seed=sampling.seed if sampling.HasField("seed") else None,
             ignore_eos=sampling.ignore_eos,
+            n=max(sampling.n, 1),
+            logprobs=sampling.logprobs if sampling.HasField("logprobs") else None,
         ),
         cache_salt=request.cache_salt,
     )
+
+
+def token_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs]) -> list[common_pb2.TokenLogprob]:
+    """The engine's logprobs of ``token_ids`` as protos (token text is left to the router)."""
+    return [
+        common_pb2.TokenLogprob(token_id=token, logprob=lp.logprob, top=_top_logprobs(lp))
+        for token, lp in zip(token_ids, logprobs, strict=True)
+    ]
+
+
+def _top_logprobs(lp: TokenLogprobs) -> list[common_pb2.TopLogprob]:
+    return [common_pb2.TopLogprob(token_id=i, logprob=v) for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)]
+
+
+def by_choice(outs: list[StepOutput]) -> list[list[StepOutput]]:
+    """A batch of one request's outputs grouped per choice (order kept inside each), the group holding the
+    last output last: one response per group, and the request's final output stays in the last response."""
+    groups: dict[int, list[StepOutput]] = {}
+    for out in outs:
+        groups.setdefault(out.index, []).append(out)
+    last = groups.pop(outs[-1].index)
+    return [*groups.values(), last]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +123,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.WorkerRequest, context: grpc.aio.ServicerContext, outputs: asyncio.Queue
     ) -> float:
         """Reserve and enqueue the request; returns the admission time (worker clock) or aborts the RPC."""
-        projected = len(request.token_ids) + request.sampling.max_tokens
-        needed = -(-projected // self._loop.kv_state.block_size)
+        sampling, prompt = request.sampling, len(request.token_ids)
+        projected = prompt + max(sampling.n, 1) * sampling.max_tokens
+        needed = request_blocks(
+            prompt, sampling.max_tokens, sampling.n, self._loop.kv_state.block_size, self._config.enable_prefix_caching
+        )
         if needed > self.capacity_blocks():
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -107,9 +137,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         mailbox = self._mailbox()
         try:
             admitted = await asyncio.wrap_future(
-                self._loop.add_admitted(
-                    engine_request(request), projected, lambda out: mailbox.post(outputs.put_nowait, out)
-                )
+                self._loop.add_admitted(engine_request(request), lambda out: mailbox.post(outputs.put_nowait, out))
             )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -130,34 +158,29 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         watcher = asyncio.create_task(self._watch_fetches(fetchers, outputs))
         finished = False
         first_token = True
-        generated = 0
+        generated = cached = 0
         try:
             yield worker_pb2.WorkerResponse(admitted=True, state_at=admitted_at)
             while True:
                 outs = [await outputs.get()]
-                while not outputs.empty() and isinstance(outs[-1], StepOutput) and not outs[-1].finished:
-                    outs.append(outputs.get_nowait())  # the loop fell behind: one message for all of them
+                while not outputs.empty() and isinstance(outs[-1], StepOutput) and not outs[-1].request_finished:
+                    outs.append(outputs.get_nowait())  # the loop fell behind: one message per choice for all of them
                 last = outs[-1]
                 if isinstance(last, FetchFailed):
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, last.message)
                 if last is None:
                     await context.abort(grpc.StatusCode.INTERNAL, "engine step failed; see worker log")
-                token_ids = [t for out in outs for t in out.new_token_ids]
-                finished = last.finished
-                generated += len(token_ids)
+                finished = last.request_finished
+                generated += sum(len(out.new_token_ids) for out in outs)
+                cached = next((out.cached_tokens for out in reversed(outs) if out.index == 0), cached)
                 if first_token:
                     first_token = False
                     self._metrics.prefill_seconds.record(time.perf_counter() - start)
                 if finished:
-                    self._record_finished(len(request.token_ids), last.cached_tokens, generated)
-                yield worker_pb2.WorkerResponse(
-                    token_ids=token_ids,
-                    finished=last.finished,
-                    finish_reason=last.finish_reason or "",
-                    cached_tokens=last.cached_tokens,
-                    prefill_s=time.perf_counter() - start,
-                    state_at=self._loop.finished_at.pop(request.request_id, 0.0) if finished else 0.0,
-                )
+                    self._record_finished(len(request.token_ids), cached, generated)
+                freed_at = self._loop.finished_at.pop(request.request_id, 0.0) if finished else 0.0
+                for group in by_choice(outs):
+                    yield self._response(group, time.perf_counter() - start, freed_at if group[-1] is last else 0.0)
                 if finished:
                     return
         finally:
@@ -167,6 +190,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if not finished:
                 self._loop.abort(request.request_id)
             self._loop.finished_at.pop(request.request_id, None)
+
+    @staticmethod
+    def _response(outs: list[StepOutput], prefill_s: float, state_at: float) -> worker_pb2.WorkerResponse:
+        """One choice's outputs, in order, as one message (``state_at``: set on the request's last message)."""
+        last = outs[-1]
+        token_ids = [t for out in outs for t in out.new_token_ids]
+        logprobs = [lp for out in outs for lp in out.logprobs or ()]
+        return worker_pb2.WorkerResponse(
+            token_ids=token_ids,
+            finished=last.finished,
+            finish_reason=last.finish_reason or "",
+            cached_tokens=last.cached_tokens,
+            prefill_s=prefill_s,
+            state_at=state_at,
+            index=last.index,
+            logprobs=token_logprobs(token_ids, logprobs) if logprobs else [],
+        )
 
     def _record_finished(self, prompt_tokens: int, cached_tokens: int, generated: int) -> None:
         self._metrics.prefix_cache_queries.add(prompt_tokens)

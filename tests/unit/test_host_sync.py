@@ -1,4 +1,4 @@
-"""One device-to-host synchronisation per step: the sampled token ids, through the runner's `HostDevice.to_host`.
+"""One device-to-host synchronisation per step: the sampled ids and any logprobs, through `HostDevice.to_host`.
 
 On a GPU every host read of a device value (``tolist``, ``item``, ``bool(tensor)``, a boolean index, ...)
 stalls the host until the device catches up. On the CPU nothing stalls, so the test watches for the
@@ -66,6 +66,8 @@ SAMPLINGS = [
     SamplingOptions(max_tokens=7, temperature=0.8, seed=3, ignore_eos=True),
     SamplingOptions(max_tokens=8, temperature=1.0, top_k=20, top_p=0.9, ignore_eos=True),
     SamplingOptions(max_tokens=6, temperature=0.7, top_p=0.5, seed=9),
+    SamplingOptions(max_tokens=12, temperature=0.9, seed=5, n=3, logprobs=4, ignore_eos=True),  # logprobs rows
+    SamplingOptions(max_tokens=10, logprobs=0, ignore_eos=True),
 ]
 
 
@@ -73,7 +75,8 @@ SAMPLINGS = [
     ("backend", "graphs"), [("flash-reference", "eager"), ("flash-reference", "off"), ("sdpa", "off")]
 )
 def test_one_host_read_per_sampling_step(loaded: tuple[Any, Any], backend: str, graphs: str) -> None:
-    """Mixed steps (chunked prefill with images, decodes, greedy and seeded top-k/top-p rows), arrivals staggered."""
+    """Mixed steps (chunked prefill with images, decodes, greedy and seeded top-k/top-p rows, rows with logprobs
+    and without, a request of three choices), arrivals staggered."""
     adapter, model = loaded
     config = EngineConfig(kv_cache_bytes=4 << 20, attention_backend=backend, cuda_graphs=graphs, max_num_seqs=8,
                           max_num_batched_tokens=40, max_model_len=1024)  # fmt: skip
@@ -83,17 +86,21 @@ def test_one_host_read_per_sampling_step(loaded: tuple[Any, Any], backend: str, 
         build_prompt(adapter, model, ["tell me a story " * 4]),
         build_prompt(adapter, model, [image(56, 56, 2), "and", image(84, 56, 3), "compare"]),
         build_prompt(adapter, model, ["short"]),
+        build_prompt(adapter, model, ["three answers about", image(84, 84, 4), "this picture, please " * 3]),
+        build_prompt(adapter, model, ["greedy with the sampled token's logprob"]),
     ]
     for prompt in prompts:
         for mm_hash, tensor in prompt.embeddings.items():
             engine.provide_embedding(mm_hash, tensor)
     io = engine.runner.io
     sampling_steps = 0
+    choices = set()
+    arrivals = 2 * len(prompts)
     for step in range(200):
-        if step < 8 and step % 2 == 0:
+        if step < arrivals and step % 2 == 0:
             i = step // 2
             engine.add_request(prompts[i].request(f"r{i}", SAMPLINGS[i]))
-        if step >= 8 and not engine.has_work():
+        if step >= arrivals and not engine.has_work():
             break
         before = io.downloads
         reads, ops = HostReads(), SyncingOps()
@@ -102,7 +109,13 @@ def test_one_host_read_per_sampling_step(loaded: tuple[Any, Any], backend: str, 
         expected = ["tolist"] if outputs else []
         assert reads.calls == expected and ops.calls == [], f"step {step}: {reads.calls} {ops.calls}"
         assert io.downloads - before == len(expected)
+        for out in outputs:
+            choices.add((out.request_id, out.index))
+            asked = SAMPLINGS[int(out.request_id[1:])].logprobs
+            assert (out.logprobs is None) == (asked is None)
+            assert out.logprobs is None or [len(lp.top_ids) for lp in out.logprobs] == [asked]
         sampling_steps += bool(outputs)
     assert sampling_steps > 10 and not engine.requests
+    assert {("r4", 0), ("r4", 1), ("r4", 2)} <= choices
     if graphs == "eager":
         assert engine.runner.graphs.steps > 0

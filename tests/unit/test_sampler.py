@@ -71,3 +71,46 @@ def test_greedy_rows_and_seeded_rows_keep_to_themselves() -> None:
     alone5 = sampler.sample(logits[5:6], [seeded], [torch.Generator().manual_seed(7)])
     assert mixed[5] == alone5[0]
     assert int(mixed[1]) in torch.topk(logits[1], 10).indices.tolist()
+
+
+def test_logprobs_are_the_raw_log_softmax_read_in_one_copy() -> None:
+    """Greedy and sampled rows (filtered, seeded or not) and rows without logprobs, k from 0 to 20: the token is
+    what ``sample`` draws, its logprob and the top k (ids and values, in ``topk`` order) are ``log_softmax`` of the
+    raw logits (before temperature/top-k/top-p), and all of it comes back in one counted host read."""
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(3)) * 2
+    options = [
+        SamplingOptions(logprobs=3),
+        SamplingOptions(temperature=0.9, top_k=5, logprobs=5),
+        SamplingOptions(),
+        SamplingOptions(temperature=1.2, top_p=0.8, seed=4, logprobs=0),
+        SamplingOptions(logprobs=20),
+        SamplingOptions(temperature=0.7),
+    ]
+
+    def generators() -> list[torch.Generator | None]:
+        return [None, None, None, torch.Generator().manual_seed(4), None, None]
+
+    io = HostDevice(torch.device("cpu"))
+    rows = Sampler(seed=11, io=io).sample_to_host(logits, options, generators())
+    assert io.downloads == 1
+    tokens = Sampler(seed=11, io=HostDevice(torch.device("cpu"))).sample(logits, options, generators())
+    assert [token for token, _ in rows] == tokens.tolist()
+    expected = torch.log_softmax(logits, dim=-1)
+    for row, ((token, logprobs), opts) in enumerate(zip(rows, options, strict=True)):
+        if opts.logprobs is None:
+            assert logprobs is None
+            continue
+        values, ids = expected[row].topk(opts.logprobs)
+        assert logprobs.logprob == expected[row, token].item()
+        assert logprobs.top_ids == tuple(ids.tolist()) and logprobs.top_logprobs == tuple(values.tolist())
+        if opts.temperature == 0 and opts.logprobs:
+            assert token == logprobs.top_ids[0] and logprobs.logprob == max(logprobs.top_logprobs)
+
+
+def test_without_logprobs_the_ids_come_back_alone() -> None:
+    logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(5))
+    options = [SamplingOptions(), SamplingOptions(temperature=1.0, seed=2), SamplingOptions()]
+    io = HostDevice(torch.device("cpu"))
+    rows = Sampler(seed=0, io=io).sample_to_host(logits, options, [None, torch.Generator().manual_seed(2), None])
+    assert io.downloads == 1 and all(lp is None for _, lp in rows)
+    assert rows[0][0] == int(logits[0].argmax()) and rows[2][0] == int(logits[2].argmax())

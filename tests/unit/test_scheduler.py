@@ -1,15 +1,16 @@
-"""Scheduler: one token budget, running first, chunked prefill, embedding gating, reservations."""
+"""Scheduler: one token budget, running first, chunked prefill, embedding gating, reservations, n choices."""
 
 from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from services.common.kv_blocks import request_blocks, shared_prompt_blocks
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions
 from services.worker.engine.scheduler import Scheduler, SchedulerOutput
-from services.worker.engine.sequence import Sequence
+from services.worker.engine.sequence import Sequence, request_choices
 
 BLOCK = 4
 
@@ -28,8 +29,8 @@ def make_seq(
 
 
 def fake_token(seq: Sequence) -> int:
-    """A deterministic 'model': the next token depends on the whole token list only."""
-    return (sum(seq.token_ids) * 31 + len(seq.token_ids)) % 50 + 10
+    """A deterministic 'model': the next token depends on the whole token list (and the choice) only."""
+    return (sum(seq.token_ids) * 31 + len(seq.token_ids) + 7 * seq.index) % 50 + 10
 
 
 def step(sched: Scheduler) -> SchedulerOutput:
@@ -148,7 +149,7 @@ def test_unreserved_request_waits_for_room() -> None:
     sched.add(a)
     sched.add(b)
     step(sched)
-    assert list(sched.waiting) == [b] and b.request_id not in sched.ledger
+    assert list(sched.waiting) == [b] and b.seq_id not in sched.ledger
     run_all(sched)
     assert a.is_finished and b.is_finished and sched.num_preemptions == 0
 
@@ -170,6 +171,105 @@ def test_overcommit_one_never_preempts_and_frees_everything(
     bm = sched.block_manager
     assert sched.num_preemptions == 0
     assert bm.num_free_blocks == bm.num_blocks and sched.ledger.reserved_blocks == 0
+
+
+def make_choices(request_id: str, prompt: list[int], max_tokens: int, n: int, caching: bool) -> list[Sequence]:
+    request = EngineRequest(request_id, prompt, [], SamplingOptions(max_tokens=max_tokens, n=n))
+    return request_choices(request, BLOCK, hash_blocks=caching)
+
+
+def test_later_choices_wait_for_the_prompt_blocks_and_share_them() -> None:
+    sched = make_scheduler(num_blocks=40, max_num_batched_tokens=8)
+    choices = make_choices("a", list(range(17)), max_tokens=3, n=3, caching=True)  # 5 blocks each, 4 shared
+    assert [s.seq_id for s in choices] == [("a", 0), ("a", 1), ("a", 2)] and [s.name for s in choices][1] == "a/1"
+    assert [s.reserve_blocks for s in choices] == [5, 1, 1]
+    assert sched.ledger.reserve_many({s.seq_id: s.reserve_blocks for s in choices})
+    for seq in choices:
+        sched.add(seq)
+    assert sched.ledger.reserved_blocks == 7 == request_blocks(17, 3, 3, BLOCK)
+    step(sched)  # 8 of 17 prompt tokens: 2 of the 4 shared blocks
+    assert sched.running == [choices[0]] and all(s.waits_for_prompt() for s in choices[1:])
+    step(sched)
+    out = step(sched)  # choice 0 samples; both later choices take its 4 blocks and compute the last token
+    assert [(c.seq.name, c.start, c.num_tokens) for c in out.chunks] == [("a", 16, 1), ("a/1", 16, 1), ("a/2", 16, 1)]
+    assert choices[1].block_table[:4] == choices[0].block_table[:4] == choices[2].block_table[:4]
+    assert choices[1].num_cached_tokens == 16 and sched.ledger.reserved_blocks == 7  # the need grew with the refs
+    run_all(sched)
+    assert sched.block_manager.num_free_blocks == 40 and sched.ledger.reserved_blocks == 0 and not sched.ledger.need
+    assert len({tuple(s.output_token_ids) for s in choices}) == 3
+
+
+def test_later_choice_whose_shared_blocks_were_freed_grows_its_reservation() -> None:
+    """Choice 0 finishes (one token) before the others start: its prompt blocks are free, cached; the others
+    take them as a hit that costs free blocks, so their reservation grows by that much, within the limit."""
+    sched = make_scheduler(num_blocks=12, max_num_batched_tokens=32, max_num_seqs=1)
+    choices = make_choices("a", list(range(13)), max_tokens=1, n=2, caching=True)  # 4 blocks each, 3 shared
+    assert sched.ledger.reserve_many({s.seq_id: s.reserve_blocks for s in choices})
+    for seq in choices:
+        sched.add(seq)
+    step(sched)
+    assert choices[0].is_finished and sched.ledger.reserved_blocks == 1  # the later choice's 4 - 3
+    assert sched.ledger.reserve("other", 9)  # 1 + 9 = 10: taking 3 freed blocks would make 13 > 12
+    step(sched)
+    assert choices[1].status.name == "WAITING" and sched.ledger.reserved_blocks == 10
+    sched.ledger.release("other")
+    run_all(sched)
+    assert choices[1].num_cached_tokens == 12 and choices[1].is_finished and sched.num_preemptions == 0
+    assert sched.block_manager.num_free_blocks == 12 and sched.ledger.reserved_blocks == 0
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    requests=st.lists(
+        st.tuples(
+            st.integers(1, 30),
+            st.sampled_from([1, 1, 2, 5, 8]),  # max_tokens: often one, so choice 0 ends before the others start
+            st.integers(1, 4),
+            st.integers(0, 2),
+            st.booleans(),
+            st.integers(0, 6),
+        ),
+        min_size=1,
+        max_size=10,
+    ),
+    budget=st.integers(1, 48),
+    num_blocks=st.integers(12, 24),  # tight: later choices often find the limit nearly reached
+    seqs=st.sampled_from([1, 1, 2, 8]),  # often one: later choices wait while choice 0 runs to its end
+    caching=st.booleans(),
+)
+def test_n_choices_never_pass_the_limit_nor_preempt_and_free_everything(
+    requests: list[tuple[int, int, int, int, bool, int]], budget: int, num_blocks: int, seqs: int, caching: bool
+) -> None:
+    """Requests of 1-4 choices arriving over a few steps, some reserved whole at arrival (as ``Engine.admit``),
+    the others reserving as they start; choice 0 often done (one token) before the others start: at every step
+    ``reserved_blocks`` stays within the limit, no sequence holds more blocks than its reservation, nothing is
+    preempted at overcommit 1.0, and everything returns at the end."""
+    sched = make_scheduler(num_blocks, max_num_batched_tokens=budget, max_num_seqs=seqs, enable_prefix_caching=caching)
+    ledger, bm = sched.ledger, sched.block_manager
+    arrivals: dict[int, list[tuple[list[Sequence], bool]]] = {}
+    for i, (length, max_tokens, n, family, reserve_first, at) in enumerate(requests):
+        prompt = [family] * length + [i]
+        if request_blocks(len(prompt), max_tokens, n, BLOCK, caching) > ledger.limit:
+            continue  # the engine refuses it at add_request: it could never fit
+        choices = make_choices(f"r{i}", prompt, max_tokens, n, caching)
+        shared = shared_prompt_blocks(len(prompt), BLOCK) if caching else 0
+        first = choices[0].max_num_blocks
+        assert [s.reserve_blocks for s in choices] == [first] + [first - shared] * (n - 1)
+        arrivals.setdefault(at, []).append((choices, reserve_first))
+    for now in range(3000):
+        for choices, reserve_first in arrivals.pop(now, []):
+            if reserve_first:  # may refuse: then each choice reserves as it starts
+                ledger.reserve_many({s.seq_id: s.reserve_blocks for s in choices})
+            for seq in choices:
+                sched.add(seq)
+        if not sched.has_work() and not arrivals:
+            break
+        step(sched)
+        assert ledger.reserved_blocks <= ledger.limit and sched.num_preemptions == 0
+        for seq in sched.running:
+            assert len(seq.block_table) <= ledger.need[seq.seq_id]
+    assert not sched.has_work(), "no progress"
+    assert bm.num_free_blocks == bm.num_blocks and ledger.reserved_blocks == 0 and not ledger.need
 
 
 def test_overcommit_preempts_by_recompute_with_same_result() -> None:

@@ -84,14 +84,14 @@ class BlockManager:
         """Give ``seq`` the hit blocks (first allocation only), then fresh blocks for ``num_tokens`` slots."""
         if hit and hit.block_ids:
             if seq.block_table:
-                raise RuntimeError(f"prefix hit for {seq.request_id} which already holds blocks")
+                raise RuntimeError(f"prefix hit for {seq.name} which already holds blocks")
             for block_id in hit.block_ids:
                 self._take(block_id)
                 seq.block_table.append(block_id)
             seq.num_registered_blocks = len(hit.block_ids)
         while len(seq.block_table) * self.block_size < num_tokens:
             if not self.free_block_ids:
-                raise RuntimeError(f"out of KV blocks for {seq.request_id}")
+                raise RuntimeError(f"out of KV blocks for {seq.name}")
             block_id = next(iter(self.free_block_ids))
             self._evict(block_id)
             self._take(block_id)
@@ -102,7 +102,7 @@ class BlockManager:
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             if block.ref_count <= 0:
-                raise RuntimeError(f"double free of block {block_id} by {seq.request_id}")
+                raise RuntimeError(f"double free of block {block_id} by {seq.name}")
             block.ref_count -= 1
             self.num_refs -= 1
             if block.ref_count == 0:

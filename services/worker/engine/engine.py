@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from services.common.kv_blocks import request_blocks
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.embeddings import EmbeddingPool, EmbeddingStats
@@ -13,15 +14,17 @@ from services.worker.engine.model_runner import ModelRunner
 from services.worker.engine.request import EngineRequest, KVState, MediaInput, StepOutput
 from services.worker.engine.sampler import Sampler
 from services.worker.engine.scheduler import Scheduler
-from services.worker.engine.sequence import Sequence
+from services.worker.engine.sequence import Sequence, request_choices
 
 
 class Engine:
     """Continuous batching over paged KV for one model.
 
-    Invariant: ``requests`` holds exactly the live sequences (waiting or running in the scheduler);
-    each holds one reference in the embedding pool per media item, and a reservation in the ledger
-    once admitted. Finishing or aborting a request gives all of it back. Call everything from one thread.
+    Invariant: ``requests`` maps each live request id to its live sequences, one per choice not finished
+    (each waiting or running in the scheduler); each sequence holds one reference in the embedding pool
+    per media item, and a reservation in the ledger once admitted (under its ``seq_id``, ``(request id,
+    choice)``; a bare reservation takes choice 0's key). Finishing a choice gives its part back; aborting a
+    request gives all of it back. Call everything from one thread.
     """
 
     def __init__(self, adapter: Any, model: torch.nn.Module, config: EngineConfig) -> None:
@@ -34,7 +37,7 @@ class Engine:
         self.sampler = Sampler(config.seed, self.runner.io)
         self.eos_token_ids = frozenset(adapter.eos_token_ids)
         self.max_model_len = self.runner.max_model_len
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, list[Sequence]] = {}
         self._stalled = False  # the last step scheduled nothing and nothing has changed since
 
     def bind_thread(self) -> None:
@@ -50,44 +53,47 @@ class Engine:
         return ledger.can_reserve(ledger.blocks_for(projected_tokens))
 
     def reserve(self, request_id: str, projected_tokens: int) -> bool:
-        """Promise the blocks for ``projected_tokens`` to a request that ``add_request`` brings later."""
+        """Promise the blocks for ``projected_tokens`` to a request that ``add_request`` brings later (it then
+        reserves its real size, all its choices; ``admit`` does both at once)."""
         if request_id in self.requests:
             return False
         ledger = self.scheduler.ledger
-        return ledger.reserve(request_id, ledger.blocks_for(projected_tokens))
+        return ledger.reserve((request_id, 0), ledger.blocks_for(projected_tokens))
 
     def release(self, request_id: str) -> None:
         """Drop a reservation whose request never came (a live request's is dropped when it ends)."""
         if request_id not in self.requests:
-            self.scheduler.ledger.release(request_id)
+            self.scheduler.ledger.release((request_id, 0))
             self._stalled = False
+
+    def admit(self, request: EngineRequest) -> bool:
+        """Reserve the blocks of all the request's choices and queue it, as one: False (nothing kept) when they
+        do not fit now or the id is live (as ``reserve``); raises ValueError as ``add_request`` does. A bare
+        reservation of its id is replaced."""
+        if request.request_id in self.requests:
+            return False
+        choices = self._choices(request)
+        needs = {seq.seq_id: seq.reserve_blocks for seq in choices}
+        if not self.scheduler.ledger.reserve_many(needs):
+            return False
+        self._enqueue(choices)
+        return True
 
     # ----- requests -----
 
     def add_request(self, request: EngineRequest) -> None:
-        """Queue a request; raises ValueError when it is malformed or could never fit this worker."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request {request.request_id!r} is already running")
-        seq = Sequence(request, self.config.block_size, self.config.enable_prefix_caching)
-        self._validate(seq)
-        self.runner.prepare(seq)
-        for item in seq.media:
-            known = self.embeddings.peek(item.mm_hash)
-            if known is not None:
-                _check_rows(item, seq.request_id, known)
-        if seq.sampling.seed is not None:
-            seq.generator = torch.Generator(device=self.runner.device).manual_seed(seq.sampling.seed)
+        """Queue a request (its ``sampling.n`` choices); raises ValueError when it is malformed or could never
+        fit this worker."""
+        choices = self._choices(request)
         ledger = self.scheduler.ledger
-        if request.request_id in ledger and not ledger.reserve(request.request_id, seq.max_num_blocks):
-            ledger.release(request.request_id)  # the scheduler reserves the real size when it can
-        self.embeddings.acquire([m.mm_hash for m in seq.media])
-        self.requests[seq.request_id] = seq
-        self.scheduler.add(seq)
-        self._stalled = False
+        needs = {seq.seq_id: seq.reserve_blocks for seq in choices}
+        if choices[0].seq_id in ledger and not ledger.reserve_many(needs):
+            ledger.release(choices[0].seq_id)  # the scheduler reserves the real sizes when it can
+        self._enqueue(choices)
 
     def provide_embedding(self, mm_hash: str, tensor: torch.Tensor) -> None:
         """An item's embedding ``[num_tokens, hidden]`` arrived; before or after its requests."""
-        for seq in self.requests.values():
+        for seq in self._sequences():
             for item in seq.media:
                 if item.mm_hash == mm_hash:
                     _check_rows(item, seq.request_id, tensor)
@@ -95,20 +101,21 @@ class Engine:
         self._stalled = False
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request (or a bare reservation) and everything it holds; False if unknown."""
-        seq = self.requests.get(request_id)
+        """Drop a request (all its choices, or a bare reservation) and everything it holds; False if unknown."""
+        choices = self.requests.get(request_id)
         self._stalled = False
-        if seq is None:
-            known = request_id in self.scheduler.ledger
-            self.scheduler.ledger.release(request_id)
+        if choices is None:
+            known = (request_id, 0) in self.scheduler.ledger
+            self.scheduler.ledger.release((request_id, 0))
             return known
-        self._finish(seq, "abort")
+        for seq in list(choices):
+            self._finish(seq, "abort")
         return True
 
     def missing_embeddings(self, request_id: str) -> list[str]:
-        """Hashes of the request's media items still to compute whose embedding has not arrived."""
-        seq = self.requests.get(request_id)
-        return [] if seq is None else seq.missing_embeddings(self.embeddings)
+        """Hashes of the request's media items still to compute (by any choice) whose embedding has not arrived."""
+        missing = [h for seq in self.requests.get(request_id, []) for h in seq.missing_embeddings(self.embeddings)]
+        return list(dict.fromkeys(missing))
 
     # ----- stepping -----
 
@@ -117,7 +124,7 @@ class Engine:
         did not come back empty with nothing changed since (e.g. blocks held by reservations)."""
         return not self._stalled and any(
             seq.first_blocked_offset(seq.num_computed_tokens, self.embeddings) > seq.num_computed_tokens
-            for seq in self.requests.values()
+            for seq in self._sequences()
         )
 
     def step(self) -> list[StepOutput]:
@@ -128,18 +135,29 @@ class Engine:
             return []
         run = self.runner.run(scheduled.chunks, self.embeddings)
         seqs = [c.seq for c in run.sampled]
-        tokens: list[int] = []
-        if seqs:  # the step's one device-to-host copy
-            sampled = self.sampler.sample(run.logits, [s.sampling for s in seqs], [s.generator for s in seqs])
-            tokens = self.runner.io.to_host(sampled)
+        sampled = []
+        if seqs:  # the step's one device-to-host copy: token ids and any logprobs together
+            options, generators = [s.sampling for s in seqs], [s.generator for s in seqs]
+            sampled = self.sampler.sample_to_host(run.logits, options, generators)
         self.scheduler.update(scheduled)
         outputs = []
-        for seq, token in zip(seqs, tokens, strict=True):
+        for seq, (token, logprobs) in zip(seqs, sampled, strict=True):
             seq.append_token(token)
             reason = seq.stop_reason(self.eos_token_ids)
             if reason is not None:
                 self._finish(seq, reason)
-            outputs.append(StepOutput(seq.request_id, [token], reason is not None, reason, seq.num_cached_tokens))
+            outputs.append(
+                StepOutput(
+                    seq.request_id,
+                    [token],
+                    finished=reason is not None,
+                    finish_reason=reason,
+                    cached_tokens=seq.num_cached_tokens,
+                    index=seq.index,
+                    logprobs=None if logprobs is None else [logprobs],
+                    request_finished=seq.request_id not in self.requests,
+                )
+            )
         return outputs
 
     def kv_state(self) -> KVState:
@@ -160,12 +178,45 @@ class Engine:
 
     # ----- helpers -----
 
+    def _sequences(self) -> list[Sequence]:
+        return [seq for choices in self.requests.values() for seq in choices]
+
+    def _choices(self, request: EngineRequest) -> list[Sequence]:
+        """The request's sequences, checked and prepared (positions, seeded generators); nothing kept yet."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} is already running")
+        size, caching = self.config.block_size, self.config.enable_prefix_caching
+        choices = request_choices(request, size, caching)
+        first, sampling = choices[0], request.sampling
+        self._validate(first, request_blocks(first.num_prompt_tokens, sampling.max_tokens, sampling.n, size, caching))
+        self.runner.prepare(first)
+        for item in first.media:
+            known = self.embeddings.peek(item.mm_hash)
+            if known is not None:
+                _check_rows(item, first.request_id, known)
+        for seq in choices:
+            seq.positions = first.positions  # read-only: every choice has the same prompt and lengths
+            if seq.sampling.seed is not None:
+                seq.generator = torch.Generator(device=self.runner.device).manual_seed(seq.sampling.seed)
+        return choices
+
+    def _enqueue(self, choices: list[Sequence]) -> None:
+        for seq in choices:
+            self.embeddings.acquire([m.mm_hash for m in seq.media])
+            self.scheduler.add(seq)
+        self.requests[choices[0].request_id] = list(choices)
+        self._stalled = False
+
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         self.embeddings.release([m.mm_hash for m in seq.media])
-        del self.requests[seq.request_id]
+        choices = self.requests[seq.request_id]
+        choices.remove(seq)
+        if not choices:
+            del self.requests[seq.request_id]
 
-    def _validate(self, seq: Sequence) -> None:
+    def _validate(self, seq: Sequence, num_blocks: int) -> None:
+        """Checks on choice 0 (the others have the same prompt); ``num_blocks``: what all the choices reserve."""
         if not seq.token_ids:
             raise ValueError(f"request {seq.request_id!r} has no prompt tokens")
         if seq.max_num_tokens > self.max_model_len:
@@ -174,9 +225,9 @@ class Engine:
                 f"new tokens exceed the model's {self.max_model_len}"
             )
         self._validate_media(seq)
-        if seq.max_num_blocks > self.scheduler.ledger.limit:
+        if num_blocks > self.scheduler.ledger.limit:
             raise ValueError(
-                f"request {seq.request_id!r} needs {seq.max_num_blocks} KV blocks; this worker has "
+                f"request {seq.request_id!r} needs {num_blocks} KV blocks; this worker has "
                 f"{self.block_manager.num_blocks}"
             )
 

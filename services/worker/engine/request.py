@@ -4,10 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20
+"""The most alternatives a request may ask for per token (OpenAI's limit)."""
+
 
 @dataclass(frozen=True)
 class SamplingOptions:
-    """Per-request sampling. ``temperature == 0`` is greedy; ``top_p`` 0 or 1 and ``top_k`` 0 are off."""
+    """Per-request sampling. ``temperature == 0`` is greedy; ``top_p`` 0 or 1 and ``top_k`` 0 are off.
+
+    ``n`` choices run as ``n`` sequences; with a ``seed``, choice i draws from ``seed + i``. ``logprobs``: None
+    = none; 0 = the sampled token's log-probability; k = also the k most likely tokens (raw logits' softmax).
+    """
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -16,6 +23,8 @@ class SamplingOptions:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -26,6 +35,10 @@ class SamplingOptions:
             raise ValueError(f"top_p must be within [0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be within [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
 
 @dataclass(frozen=True)
@@ -52,15 +65,33 @@ class EngineRequest:
     cache_salt: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One sampled token's log-probability and the top alternatives (most likely first), from the log-softmax
+    of the raw logits (before temperature, top-k, top-p)."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
 @dataclass(slots=True)
 class StepOutput:
-    """New tokens of one request after a step; ``finish_reason`` is "stop" or "length" once finished."""
+    """New tokens of one choice of a request after a step.
+
+    ``finished``: this choice finished (``finish_reason`` "stop" or "length"); ``request_finished``: so did
+    every choice of the request (the request's last output). ``logprobs`` has one entry per new token when the
+    request asked for them, else None.
+    """
 
     request_id: str
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
     cached_tokens: int
+    index: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+    request_finished: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,11 @@
-"""Next-token sampling on the logits' device: greedy, temperature, top-k, top-p, per-request seed."""
+"""Next-token sampling on the logits' device: greedy, temperature, top-k, top-p, per-request seed, logprobs."""
 
 from __future__ import annotations
 
 import torch
 
 from services.worker.engine.host_device import HostDevice
-from services.worker.engine.request import SamplingOptions
+from services.worker.engine.request import SamplingOptions, TokenLogprobs
 
 
 class Sampler:
@@ -17,6 +17,8 @@ class Sampler:
     ``multinomial``, with no host sync). Each row's ``E`` comes from its request's own device generator
     when it has a seed, so a seeded request draws the same numbers alone or in any batch; else from the
     sampler's shared generator. The few per-row parameters go up through ``io`` (pinned, non-blocking).
+    Log-probabilities are the log-softmax of the raw logits, computed here too; ``sample_to_host`` brings the
+    ids and them back in one copy.
     """
 
     def __init__(self, seed: int, io: HostDevice) -> None:
@@ -51,6 +53,48 @@ class Sampler:
                 noise[row].exponential_(generator=generators[i])
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a zero draw must not turn a dropped token into 0/0
         return tokens.index_copy(0, index, (probs / noise).argmax(dim=-1))
+
+    def sample_to_host(
+        self, logits: torch.Tensor, options: list[SamplingOptions], generators: list[torch.Generator | None]
+    ) -> list[tuple[int, TokenLogprobs | None]]:
+        """Per row: the sampled token id and, when its request asks, its logprobs; one device-to-host copy."""
+        packed = pack_logprobs(logits, self.sample(logits, options, generators), options)
+        return unpack_logprobs(self.io.to_host(packed), options)
+
+
+def pack_logprobs(logits: torch.Tensor, tokens: torch.Tensor, options: list[SamplingOptions]) -> torch.Tensor:
+    """What a step reads back, as one tensor on the logits' device.
+
+    ``tokens [N]`` itself when no row asks for logprobs. Else float64 ``[N, 2 + 2k]``, k the most any row asks:
+    per row the token id, its log-probability, the k most likely ids, their log-probabilities (``topk`` order:
+    most likely first), all from ``log_softmax`` of the raw logits, computed for every row (rows that did not
+    ask are ignored by ``unpack_logprobs``). Token ids are exact in float64.
+    """
+    top = max((o.logprobs for o in options if o.logprobs is not None), default=None)
+    if top is None:
+        return tokens
+    logprobs = logits.float().log_softmax(dim=-1)
+    parts = [tokens[:, None].double(), logprobs.gather(1, tokens[:, None]).double()]
+    if top:
+        values, ids = logprobs.topk(top, dim=-1)
+        parts += [ids.double(), values.double()]
+    return torch.cat(parts, dim=1)
+
+
+def unpack_logprobs(rows: list, options: list[SamplingOptions]) -> list[tuple[int, TokenLogprobs | None]]:
+    """``pack_logprobs``'s result read on the host (``tolist``), split per row into (id, logprobs or None)."""
+    if not rows or not isinstance(rows[0], list):
+        return [(token, None) for token in rows]
+    width = (len(rows[0]) - 2) // 2
+    out: list[tuple[int, TokenLogprobs | None]] = []
+    for row, opts in zip(rows, options, strict=True):
+        k = opts.logprobs
+        if k is None:
+            out.append((int(row[0]), None))
+            continue
+        top_ids = tuple(int(i) for i in row[2 : 2 + k])
+        out.append((int(row[0]), TokenLogprobs(row[1], top_ids, tuple(row[2 + width : 2 + width + k]))))
+    return out
 
 
 def filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

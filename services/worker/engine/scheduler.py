@@ -6,7 +6,7 @@ from collections import deque
 from collections.abc import Container
 from dataclasses import dataclass, field
 
-from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.block_manager import BlockManager, PrefixHit
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.reservation import ReservationLedger
 from services.worker.engine.sequence import Sequence, SequenceStatus
@@ -46,6 +46,8 @@ class Scheduler:
     then waiting ones are admitted, all under ``max_num_batched_tokens``; a media item's tokens are
     scheduled only once its embedding is in ``embeddings``, text before it may go ahead. Prefill tokens
     (of sequences lacking more than one token) also stay under ``_prefill_budget`` (decode priority).
+    A later choice of a request starts only once choice 0's full prompt blocks are cached (or choice 0
+    ended), and takes them as a prefix hit.
     """
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, embeddings: Container[str]) -> None:
@@ -70,7 +72,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.deallocate(seq)
-        self.ledger.release(seq.request_id)
+        self.ledger.release(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -119,10 +121,12 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget == 0 or prefill <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            if seq.request_id not in self.ledger:
+            if seq.waits_for_prompt():
+                continue  # a later choice: choice 0 computes the prompt blocks it will share
+            if seq.seq_id not in self.ledger:
                 if not admit_unreserved:
                     continue
-                if not self.ledger.reserve(seq.request_id, seq.max_num_blocks):
+                if not self.ledger.reserve(seq.seq_id, seq.reserve_blocks):
                     admit_unreserved = False  # first come first served among unreserved requests
                     continue
             hit = self.block_manager.find_prefix(seq)
@@ -132,6 +136,8 @@ class Scheduler:
             num_tokens = hit.num_tokens + num_new
             if not self.block_manager.can_allocate(seq, num_tokens, hit):
                 return  # only when overcommitted: wait for running requests to free blocks
+            if seq.shared_blocks and not self._take_shared(seq, hit):
+                continue  # the shared blocks were freed and the ledger cannot cover them now
             self.block_manager.allocate(seq, num_tokens, hit)
             seq.num_computed_tokens = hit.num_tokens
             if not seq.prefix_looked_up:
@@ -144,6 +150,15 @@ class Scheduler:
             budget -= num_new
             if seq.num_tokens - hit.num_tokens > 1:
                 prefill -= num_new
+
+    def _take_shared(self, seq: Sequence, hit: PrefixHit) -> bool:
+        """A later choice starts: its need grows by the shared prompt blocks (``ReservationLedger.take_shared``)."""
+        blocks = self.block_manager.blocks
+        in_use = sum(1 for block_id in hit.block_ids if blocks[block_id].ref_count > 0)
+        if not self.ledger.take_shared(seq.seq_id, seq.shared_blocks, in_use):
+            return False
+        seq.took_shared_prompt()
+        return True
 
     def _num_new_tokens(self, seq: Sequence, num_computed: int, budget: int, prefill: int) -> int:
         """Tokens to compute from ``num_computed``: under ``budget``, short of a missing embedding, and

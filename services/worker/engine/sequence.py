@@ -1,13 +1,15 @@
-"""A request's life inside the engine: tokens, computed tokens, blocks."""
+"""A request's life inside the engine: tokens, computed tokens, blocks; one sequence per choice."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Container
 from enum import Enum, auto
 
 import torch
 
 from services.common.block_hash import MediaSpan, extend_block_hashes
+from services.common.kv_blocks import choice_blocks, shared_prompt_blocks
 from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions
 
 
@@ -18,19 +20,30 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    """Prompt plus generated tokens of one request.
+    """Prompt plus generated tokens of one choice of a request.
 
     ``num_computed_tokens`` tokens have their K/V in the blocks of ``block_table`` (which may cover a
     few more slots, scheduled this step); the model catches up with ``num_tokens`` chunk by chunk.
     ``block_hashes`` holds the chained hashes of the full blocks of ``token_ids`` computed so far.
+    ``seq_id`` = ``(request id, choice index)`` keys its reservation: unique among live sequences whatever
+    the request ids look like (``name`` is its readable form, ``"<request id>/<index>"``). A later choice
+    with ``parent`` (choice 0) set shares the prompt: until it starts, it waits for the parent's full prompt
+    blocks (``waits_for_prompt``), and its reservation (``reserve_blocks``) leaves out ``shared_blocks``,
+    the blocks it will take from the cache.
     """
 
-    def __init__(self, request: EngineRequest, block_size: int, hash_blocks: bool) -> None:
+    def __init__(
+        self, request: EngineRequest, block_size: int, hash_blocks: bool, index: int = 0, parent: Sequence | None = None
+    ) -> None:
         self.request_id: str = request.request_id
+        self.index = index
+        self.seq_id: tuple[str, int] = (request.request_id, index)
         self.token_ids: list[int] = list(request.token_ids)
         self.num_prompt_tokens: int = len(self.token_ids)
         self.media: list[MediaInput] = list(request.media)
-        self.sampling: SamplingOptions = request.sampling
+        self.sampling: SamplingOptions = choice_sampling(request.sampling, index)
+        self.parent = parent
+        self.shared_blocks = shared_prompt_blocks(self.num_prompt_tokens, block_size) if parent is not None else 0
         self.cache_salt: str = request.cache_salt
         self.block_size = block_size
         self.status = SequenceStatus.WAITING
@@ -51,6 +64,11 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def name(self) -> str:
+        """The request id for choice 0, ``"<request id>/<index>"`` for the others (messages, logs)."""
+        return self.request_id if self.index == 0 else f"{self.request_id}/{self.index}"
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
@@ -62,6 +80,28 @@ class Sequence:
     @property
     def max_num_blocks(self) -> int:
         return -(-self.max_num_tokens // self.block_size)
+
+    @property
+    def reserve_blocks(self) -> int:
+        """The blocks its reservation covers: all it may hold, less the shared prompt blocks not taken yet
+        (``choice_blocks``, the formula of the worker's and the router's admission)."""
+        prompt, max_tokens, shares = self.num_prompt_tokens, self.sampling.max_tokens, self.shared_blocks > 0
+        return choice_blocks(prompt, max_tokens, self.block_size, self.index, shares)
+
+    def waits_for_prompt(self) -> bool:
+        """True while a later choice waits for choice 0 to have the full prompt blocks it shares in the cache."""
+        parent = self.parent
+        return (
+            self.shared_blocks > 0
+            and parent is not None
+            and not parent.is_finished
+            and parent.num_registered_blocks < self.shared_blocks
+        )
+
+    def took_shared_prompt(self) -> None:
+        """It started (its reservation grew by the shared blocks): from now on an ordinary sequence."""
+        self.shared_blocks = 0
+        self.parent = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -119,3 +159,19 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_registered_blocks = 0
         self.status = SequenceStatus.WAITING
+
+
+def choice_sampling(sampling: SamplingOptions, index: int) -> SamplingOptions:
+    """Choice ``index``'s sampling: a seeded request's choice i draws from ``seed + i`` (mod 2**64)."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    return dataclasses.replace(sampling, seed=(sampling.seed + index) % 2**64)
+
+
+def request_choices(request: EngineRequest, block_size: int, hash_blocks: bool) -> list[Sequence]:
+    """The ``sampling.n`` sequences of a request, choice 0 first. With prefix caching (``hash_blocks``) the
+    later ones share choice 0's prompt blocks; without it each computes its own prefill. Positions are set
+    by the model runner on choice 0; the caller shares them (read-only) with the others."""
+    first = Sequence(request, block_size, hash_blocks)
+    parent = first if hash_blocks else None
+    return [first] + [Sequence(request, block_size, hash_blocks, i, parent) for i in range(1, request.sampling.n)]

@@ -24,7 +24,7 @@ class WorkerRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., media: _Optional[_Iterable[_Union[_common_pb2.MediaRef, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., embedding_timeout_s: _Optional[float] = ...) -> None: ...
 
 class WorkerResponse(_message.Message):
-    __slots__ = ("token_ids", "finished", "finish_reason", "cached_tokens", "prefill_s", "encode_wait_s", "admitted", "state_at")
+    __slots__ = ("token_ids", "finished", "finish_reason", "cached_tokens", "prefill_s", "encode_wait_s", "admitted", "state_at", "index", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,8 @@ class WorkerResponse(_message.Message):
     ENCODE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
     STATE_AT_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finished: bool
     finish_reason: str
@@ -41,7 +43,9 @@ class WorkerResponse(_message.Message):
     encode_wait_s: float
     admitted: bool
     state_at: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., prefill_s: _Optional[float] = ..., encode_wait_s: _Optional[float] = ..., admitted: _Optional[bool] = ..., state_at: _Optional[float] = ...) -> None: ...
+    index: int
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., prefill_s: _Optional[float] = ..., encode_wait_s: _Optional[float] = ..., admitted: _Optional[bool] = ..., state_at: _Optional[float] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class EmbeddingChunk(_message.Message):
     __slots__ = ("mm_hash", "meta", "data", "last")
