@@ -44,6 +44,7 @@ class ServiceSpec:
     metrics_port: int
     num_cpus: float
     num_gpus: float
+    http_port: int | None = None  # the router's HTTP port (-1: a free one); None for other roles
 
 
 @dataclass
@@ -62,8 +63,7 @@ class RayCluster:
     _stopped: bool = field(default=False, repr=False)
 
     def addresses(self) -> dict[str, list[str]]:
-        return {"router": [self.router_addr], "encoder": list(self.encoder_addrs),
-                "worker": list(self.worker_addrs)}
+        return {"router": [self.router_addr], "encoder": list(self.encoder_addrs), "worker": list(self.worker_addrs)}
 
     def service_pids(self) -> dict[str, list[int]]:
         """Live pids (each service's process and its descendants) by service name."""
@@ -97,12 +97,24 @@ class RayCluster:
         self.stop()
 
 
-def plan_services(encoders: int, workers: int, *, router_port: int, encoder_port: int, worker_port: int,
-                  metrics_port: int | None, device: str, cpus_per_service: float,
-                  gpus_per_encoder: float, gpus_per_worker: float) -> list[ServiceSpec]:
+def plan_services(
+    encoders: int,
+    workers: int,
+    *,
+    router_port: int,
+    encoder_port: int,
+    worker_port: int,
+    metrics_port: int | None,
+    device: str,
+    cpus_per_service: float,
+    gpus_per_encoder: float,
+    gpus_per_worker: float,
+    http_port: int | None = 8000,
+) -> list[ServiceSpec]:
     """Services in start order. A base port p > 0 gives p, p+1, ...; 0 picks free ports per node.
 
-    `metrics_port`: None picks free ports, 0 turns metrics off, p > 0 numbers them from p.
+    `metrics_port`: None picks free ports, 0 turns metrics off, p > 0 numbers them from p. `http_port` is
+    the router's OpenAI HTTP port: None picks a free one, 0 turns it off.
     """
     if encoders < 1 or workers < 1:
         raise ValueError(f"need at least one encoder and one worker, got {encoders} and {workers}")
@@ -115,20 +127,43 @@ def plan_services(encoders: int, workers: int, *, router_port: int, encoder_port
     specs = []
     for offset, (role, index, base, gpus) in enumerate(rows):
         metrics = -1 if metrics_port is None else (0 if metrics_port == 0 else metrics_port + offset)
-        specs.append(ServiceSpec(role=role, name=f"{role}-{index}", port=base + index if base else 0,
-                                 metrics_port=metrics, num_cpus=cpus_per_service,
-                                 num_gpus=gpus if gpu else 0.0))
+        http = (-1 if http_port is None else http_port) if role == "router" else None
+        specs.append(
+            ServiceSpec(
+                role=role,
+                name=f"{role}-{index}",
+                port=base + index if base else 0,
+                metrics_port=metrics,
+                num_cpus=cpus_per_service,
+                num_gpus=gpus if gpu else 0.0,
+                http_port=http,
+            )
+        )
     return specs
 
 
-def launch_on_ray(model_dir: str | os.PathLike[str], *, encoders: int = 1, workers: int = 1,
-                  redis_url: str | None = None, address: str | None = None,
-                  host: str | None = None, router_port: int = 50051, encoder_port: int = 50061,
-                  worker_port: int = 50071, metrics_port: int | None = 9400,
-                  env: Mapping[str, str] | None = None, cpus_per_service: float = 1.0,
-                  gpus_per_encoder: float = 1.0, gpus_per_worker: float = 1.0,
-                  command: Sequence[str] | None = None, ready_timeout_s: float = 300.0,
-                  log_dir: str | None = None, start_redis: bool = True) -> RayCluster:
+def launch_on_ray(
+    model_dir: str | os.PathLike[str],
+    *,
+    encoders: int = 1,
+    workers: int = 1,
+    redis_url: str | None = None,
+    address: str | None = None,
+    host: str | None = None,
+    router_port: int = 50051,
+    encoder_port: int = 50061,
+    worker_port: int = 50071,
+    metrics_port: int | None = 9400,
+    http_port: int | None = 8000,
+    env: Mapping[str, str] | None = None,
+    cpus_per_service: float = 1.0,
+    gpus_per_encoder: float = 1.0,
+    gpus_per_worker: float = 1.0,
+    command: Sequence[str] | None = None,
+    ready_timeout_s: float = 300.0,
+    log_dir: str | None = None,
+    start_redis: bool = True,
+) -> RayCluster:
     """Start router, encoders and workers as Ray actors and wait until all serve gRPC health.
 
     `env` adds EPD_* (or other) variables for every service; EPD_DEVICE there (or in this
@@ -143,16 +178,24 @@ def launch_on_ray(model_dir: str | os.PathLike[str], *, encoders: int = 1, worke
     extra = dict(env or {})
     device = extra.get("EPD_DEVICE", os.environ.get("EPD_DEVICE", "cpu"))
     redis_url = redis_url or extra.get("EPD_REDIS_URL") or os.environ.get("EPD_REDIS_URL", DEFAULT_REDIS)
-    specs = plan_services(encoders, workers, router_port=router_port, encoder_port=encoder_port,
-                          worker_port=worker_port, metrics_port=metrics_port, device=device,
-                          cpus_per_service=cpus_per_service, gpus_per_encoder=gpus_per_encoder,
-                          gpus_per_worker=gpus_per_worker)
+    specs = plan_services(
+        encoders,
+        workers,
+        router_port=router_port,
+        encoder_port=encoder_port,
+        worker_port=worker_port,
+        metrics_port=metrics_port,
+        device=device,
+        cpus_per_service=cpus_per_service,
+        gpus_per_encoder=gpus_per_encoder,
+        gpus_per_worker=gpus_per_worker,
+        http_port=http_port,
+    )
     owns_ray = _connect(ray, address, sum(s.num_cpus for s in specs))
     bind = host or ("127.0.0.1" if address is None else "0.0.0.0")
     logs = log_dir or tempfile.mkdtemp(prefix="epd-ray-")
     actor_cls = ray.remote(ServiceProcess)
-    actors = {s.name: actor_cls.options(num_cpus=s.num_cpus, num_gpus=s.num_gpus).remote(s.name, logs)
-              for s in specs}
+    actors = {s.name: actor_cls.options(num_cpus=s.num_cpus, num_gpus=s.num_gpus).remote(s.name, logs) for s in specs}
     cluster = RayCluster("", [], [], logs, redis_url, actors, owns_ray)
     try:
         cluster._redis = _local_redis(redis_url) if start_redis else None
@@ -160,10 +203,22 @@ def launch_on_ray(model_dir: str | os.PathLike[str], *, encoders: int = 1, worke
         cluster.encoder_addrs = [placements[s.name].advertise for s in specs if s.role == "encoder"]
         cluster.worker_addrs = [placements[s.name].advertise for s in specs if s.role == "worker"]
         cluster.router_addr = placements["router-0"].advertise
-        shared = {**extra, "EPD_MODEL": str(model_dir), "EPD_REDIS_URL": redis_url, "EPD_HOST": bind,
-                  "EPD_DEVICE": device, "EPD_ENCODER_ADDRS": ",".join(cluster.encoder_addrs)}
-        ray.get([actors[s.name].start.remote(list(command) if command else None, s.role,
-                                             {**shared, **placements[s.name].env()}) for s in specs])
+        shared = {
+            **extra,
+            "EPD_MODEL": str(model_dir),
+            "EPD_REDIS_URL": redis_url,
+            "EPD_HOST": bind,
+            "EPD_DEVICE": device,
+            "EPD_ENCODER_ADDRS": ",".join(cluster.encoder_addrs),
+        }
+        ray.get(
+            [
+                actors[s.name].start.remote(
+                    list(command) if command else None, s.role, {**shared, **placements[s.name].env()}
+                )
+                for s in specs
+            ]
+        )
         _wait_healthy(ray, specs, actors, placements, ready_timeout_s)
     except BaseException:
         cluster.stop()
@@ -179,10 +234,17 @@ class Placement:
     local: str
     port: int
     metrics_port: int
+    http_port: int | None = None  # the router's HTTP port
 
     def env(self) -> dict[str, str]:
-        return {"EPD_PORT": str(self.port), "EPD_METRICS_PORT": str(self.metrics_port),
-                "EPD_ADVERTISE_ADDR": self.advertise}
+        env = {
+            "EPD_PORT": str(self.port),
+            "EPD_METRICS_PORT": str(self.metrics_port),
+            "EPD_ADVERTISE_ADDR": self.advertise,
+        }
+        if self.http_port is not None:
+            env["EPD_HTTP_PORT"] = str(self.http_port)
+        return env
 
 
 def _local_redis(url: str) -> subprocess.Popen[bytes] | None:
@@ -213,8 +275,13 @@ def _connect(ray: Any, address: str | None, cpus_needed: float) -> bool:
     if address is not None:
         ray.init(address=address, log_to_driver=False)
         return False
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(cpus_needed + 0.999)),
-             include_dashboard=False, log_to_driver=False, object_store_memory=100 << 20)
+    ray.init(
+        address="local",
+        num_cpus=max(os.cpu_count() or 1, int(cpus_needed + 0.999)),
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=100 << 20,
+    )
     return True
 
 
@@ -223,6 +290,7 @@ def _place(ray: Any, specs: list[ServiceSpec], actors: dict[str, Any], bind: str
     node_ips = ray.get([actors[s.name].node_ip.remote() for s in specs])
     taken: set[tuple[str, int]] = {(ip, s.port) for s, ip in zip(specs, node_ips, strict=True) if s.port}
     taken |= {(ip, s.metrics_port) for s, ip in zip(specs, node_ips, strict=True) if s.metrics_port > 0}
+    taken |= {(ip, s.http_port) for s, ip in zip(specs, node_ips, strict=True) if s.http_port}
 
     def pick(actor: Any, node_ip: str) -> int:
         for _ in range(50):
@@ -236,18 +304,27 @@ def _place(ray: Any, specs: list[ServiceSpec], actors: dict[str, Any], bind: str
     for spec, node_ip in zip(specs, node_ips, strict=True):
         port = spec.port or pick(actors[spec.name], node_ip)
         metrics = spec.metrics_port if spec.metrics_port >= 0 else pick(actors[spec.name], node_ip)
+        http = spec.http_port
+        if http is not None and http < 0:
+            http = pick(actors[spec.name], node_ip)
         wildcard = bind == "0.0.0.0"
-        placements[spec.name] = Placement(advertise=f"{node_ip if wildcard else bind}:{port}",
-                                          local=f"{'127.0.0.1' if wildcard else bind}:{port}",
-                                          port=port, metrics_port=metrics)
+        placements[spec.name] = Placement(
+            advertise=f"{node_ip if wildcard else bind}:{port}",
+            local=f"{'127.0.0.1' if wildcard else bind}:{port}",
+            port=port,
+            metrics_port=metrics,
+            http_port=http,
+        )
     return placements
 
 
-def _wait_healthy(ray: Any, specs: list[ServiceSpec], actors: dict[str, Any],
-                  placements: dict[str, Placement], timeout_s: float) -> None:
+def _wait_healthy(
+    ray: Any, specs: list[ServiceSpec], actors: dict[str, Any], placements: dict[str, Placement], timeout_s: float
+) -> None:
     """Wait (on each service's own node) for SERVING; raise RayLaunchError naming the failures."""
     reports: list[HealthReport] = ray.get(
-        [actors[s.name].wait_healthy.remote(placements[s.name].local, timeout_s) for s in specs])
+        [actors[s.name].wait_healthy.remote(placements[s.name].local, timeout_s) for s in specs]
+    )
     failed = [r.detail for r in reports if not r.ok]
     if failed:
         raise RayLaunchError("epd services failed to start on Ray:\n" + "\n\n".join(failed))

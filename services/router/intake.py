@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.media import ImageHeader, MediaError, MediaLimits, decode_data_url, probe_image
+from services.common.media import ImageHeader, MediaError, MediaLimits, MediaReason, decode_data_url, probe_image
 from services.common.rpc.epd.v1 import generation_pb2
 from services.models.base import ChatMessage, ChatPart
-from services.router.errors import invalid
+from services.router.errors import invalid, too_large
 
 ROLES = frozenset({"system", "user", "assistant"})
 
@@ -48,16 +48,19 @@ def _media_bytes(media: generation_pb2.Media, where: str, limits: IntakeLimits) 
         try:
             data = decode_data_url(media.url, limits.max_item_bytes)
         except MediaError as exc:
-            raise invalid(f"{where}: {exc}") from exc
+            refuse = too_large if exc.reason == MediaReason.BYTES else invalid
+            raise refuse(f"{where}: {exc}") from exc
     elif source == "url":
-        raise invalid(f"{where}: media URL was not fetched (URL fetch is disabled on this router); "
-                      "send the bytes inline or as a data: URL")
+        raise invalid(
+            f"{where}: media URL was not fetched (URL fetch is disabled on this router); "
+            "send the bytes inline or as a data: URL"
+        )
     else:
         raise invalid(f"{where}: media has neither data nor url")
     if not data:
         raise invalid(f"{where}: empty media data")
     if len(data) > limits.max_item_bytes:
-        raise invalid(f"{where}: {len(data)} bytes, above the per-item limit of {limits.max_item_bytes}")
+        raise too_large(f"{where}: {len(data)} bytes, above the per-item limit of {limits.max_item_bytes}")
     return data
 
 
@@ -87,7 +90,7 @@ def parse_messages(messages: list[generation_pb2.Message], limits: IntakeLimits)
             data = _media_bytes(part.image, where, limits)
             total_bytes += len(data)
             if total_bytes > limits.max_request_bytes:
-                raise invalid(f"{where}: media total exceeds {limits.max_request_bytes} bytes per request")
+                raise too_large(f"{where}: media total exceeds {limits.max_request_bytes} bytes per request")
             try:
                 header = probe_image(data, limits.media, index=len(items))
             except MediaError as exc:

@@ -30,8 +30,9 @@ from services.router.cluster_view import ClusterView
 from services.router.config import RouterConfig
 from services.router.encode_dispatch import EncodeDispatcher
 from services.router.errors import RequestError, unavailable
+from services.router.http_server import serve_router_http
 from services.router.metrics import RouterMetrics
-from services.router.output import Detokenizer
+from services.router.output import Choices, TokenTexts
 from services.router.placement import PrefixAffinity
 from services.router.request_blocks import RequestBlocks
 from services.router.request_prep import RequestPrep
@@ -65,6 +66,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._dispatcher = dispatcher
         self._metrics = metrics
         self._channels = channels
+        self._token_texts = TokenTexts(info.adapter.tokenizer)
 
     def channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
@@ -77,25 +79,39 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         context: grpc.aio.ServicerContext,
     ) -> generation_pb2.TokenCount:
         try:
-            return (await self._prep.prepare(request)).accounted.token_count()
+            return await self.count_tokens(request)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
 
+    async def count_tokens(self, request: generation_pb2.GenerateRequest) -> generation_pb2.TokenCount:
+        """CountTokens for any front end (gRPC, HTTP); raises RequestError."""
+        return (await self._prep.prepare(request)).accounted.token_count()
+
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            async for response in self.generate_stream(request, context.time_remaining()):
+                yield response
+        except RequestError as exc:
+            if exc.metadata:
+                context.set_trailing_metadata(exc.metadata)
+            await context.abort(exc.code, exc.message)
+
+    async def generate_stream(self, request: generation_pb2.GenerateRequest, timeout_s: float | None):
+        """Generate for any front end (gRPC, HTTP): the responses, or RequestError. Every request is counted
+        in the metrics here, once. The deadline is `timeout_s` (None: none) capped by the request timeout;
+        closing the generator or cancelling its task cancels the worker call and frees its blocks."""
         start = time.perf_counter()
         outcome = "ok"
         self._metrics.running.add(1)
         try:
-            async for response in self._generate(request, context, start):
+            async for response in self._generate(request, timeout_s, start):
                 yield response
         except RequestError as exc:
             outcome = exc.code.name.lower()
             if isinstance(exc, Rejection):
                 self._metrics.rejections.add(1, {"reason": exc.reason})
-            if exc.metadata:
-                context.set_trailing_metadata(exc.metadata)
-            await context.abort(exc.code, exc.message)
-        except asyncio.CancelledError:
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"
             raise
         except Exception:
@@ -111,7 +127,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _request_blocks(accounted: Accounted, cache_salt: str) -> RequestBlocks:
         """The request's blocks and prefix hashes, hashed lazily per block size of the workers it is ranked on."""
         spans = [MediaSpan(r.mm_hash, r.offset, r.num_tokens) for r in accounted.refs]
-        return RequestBlocks.for_prompt(accounted.token_ids, accounted.projected_tokens, spans, cache_salt)
+        return RequestBlocks.for_prompt(accounted.token_ids, accounted.projected_tokens, spans, cache_salt, accounted.n)
 
     async def _open_worker(self, worker: str, request: worker_pb2.WorkerRequest, timeout: float):
         """Open the worker stream and wait for admission; None when the worker refuses or is down."""
@@ -127,12 +143,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             return None
         return Reserved(call, first.state_at)
 
-    async def _generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext, start: float):
+    async def _generate(self, request: generation_pb2.GenerateRequest, timeout_s: float | None, start: float):
         prepared = await self._prep.prepare(request)
         accounted, sampling = prepared.accounted, prepared.sampling
         request_id = request.request_id or uuid.uuid4().hex
-        remaining = context.time_remaining()
-        timeout = min(self._config.request_timeout_s, remaining if remaining is not None else float("inf"))
+        timeout = min(self._config.request_timeout_s, timeout_s if timeout_s is not None else float("inf"))
         deadline = time.monotonic() + timeout
         worker_request = worker_pb2.WorkerRequest(
             request_id=request_id,
@@ -179,28 +194,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         start: float,
         end: StreamEnd,
     ):
-        detok = Detokenizer(self._info.adapter.tokenizer, list(sampling.stop))
-        completion, first_token_s, reason, cached, last, prefill_s = 0, 0.0, "length", 0, 0.0, 0.0
+        choices = Choices(self._info.adapter.tokenizer, list(sampling.stop), sampling.n, self._token_texts)
+        first_token_s, cached, last, prefill_s = 0.0, 0, 0.0, 0.0
         try:
             while (response := await call.read()) is not grpc.aio.EOF:
                 now = time.perf_counter()
-                completion += len(response.token_ids)
                 if not first_token_s:
-                    first_token_s = now - start
-                    prefill_s = response.prefill_s
+                    first_token_s, prefill_s, last = now - start, response.prefill_s, now
                     self._metrics.ttft_seconds.record(first_token_s)
-                else:
+                elif response.index == 0:  # inter-token latency of choice 0 (the others arrive alongside)
                     self._metrics.itl_seconds.record(now - last)
-                last = now
-                delta = detok.add(list(response.token_ids))
-                text = delta.text + (detok.flush() if response.finished and not delta.stopped else "")
-                yield generation_pb2.GenerateResponse(
-                    chunk=generation_pb2.Chunk(token_ids=response.token_ids, text=text)
-                )
-                if delta.stopped or response.finished:
-                    reason = "stop" if delta.stopped else response.finish_reason
+                    last = now
+                if response.index == 0:
                     cached = response.cached_tokens
-                    end.released_at = response.state_at if response.finished else 0.0
+                end.released_at = response.state_at or end.released_at  # set on the worker's last message only
+                chunk = choices.chunk(response)
+                if chunk is not None:
+                    yield generation_pb2.GenerateResponse(chunk=chunk)
+                if choices.done:  # every choice finished, or ended here at a stop string
                     break
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
             if encode.done() and not encode.cancelled() and encode.exception() is not None:
@@ -214,7 +225,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             prompt_tokens=accounted.prompt_tokens,
             text_tokens=accounted.text_tokens,
             image_tokens=accounted.image_tokens,
-            completion_tokens=completion,
+            completion_tokens=sum(stream.completion_tokens for stream in choices.streams),
             cached_tokens=cached,
         )
         encode_s = encode.result() if encode.done() and not encode.cancelled() and not encode.exception() else 0.0
@@ -225,9 +236,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             first_token_s=first_token_s,
             total_s=time.perf_counter() - start,
         )
-        yield generation_pb2.GenerateResponse(
-            final=generation_pb2.Final(finish_reason=reason, usage=usage, timing=timing, request_id=request_id)
+        ends = choices.ends()
+        final = generation_pb2.Final(
+            finish_reason=ends[0].finish_reason, usage=usage, timing=timing, request_id=request_id, choices=ends
         )
+        yield generation_pb2.GenerateResponse(final=final)
 
 
 def _count_lookup(metrics: RouterMetrics, queries: int, hits: int) -> None:
@@ -273,10 +286,12 @@ async def start_router(config: RouterConfig):
     binding = grpc_server.ServiceBinding(
         generation_pb2_grpc.add_GenerationServicer_to_server, servicer, "epd.v1.Generation"
     )
+    stop_http = await serve_router_http(config, info, servicer, view, metrics)  # listening before gRPC is healthy
     running = await grpc_server.start_server(config.host, config.port, [binding])
     log.info("router serving on %s:%d", config.host, running.port)
 
     async def stop() -> None:
+        await stop_http()
         await running.stop()
         await view.stop()
         for channel in channels.values():

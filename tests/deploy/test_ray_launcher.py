@@ -65,8 +65,11 @@ def redis_url() -> Iterator[str]:
     if binary is None:
         raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
     port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 10
     while subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).returncode != 0:
         if time.monotonic() > deadline:
@@ -79,12 +82,24 @@ def redis_url() -> Iterator[str]:
 
 
 def test_plan_requests_gpus_only_for_cuda() -> None:
-    kwargs = dict(router_port=50051, encoder_port=50061, worker_port=50071, metrics_port=9400,
-                  cpus_per_service=1.0, gpus_per_encoder=1.0, gpus_per_worker=1.0)
+    kwargs = dict(
+        router_port=50051,
+        encoder_port=50061,
+        worker_port=50071,
+        metrics_port=9400,
+        cpus_per_service=1.0,
+        gpus_per_encoder=1.0,
+        gpus_per_worker=1.0,
+    )
     cuda = plan_services(2, 3, device="cuda", **kwargs)
     assert [(s.name, s.port, s.num_gpus) for s in cuda] == [
-        ("encoder-0", 50061, 1.0), ("encoder-1", 50062, 1.0), ("worker-0", 50071, 1.0),
-        ("worker-1", 50072, 1.0), ("worker-2", 50073, 1.0), ("router-0", 50051, 0.0)]
+        ("encoder-0", 50061, 1.0),
+        ("encoder-1", 50062, 1.0),
+        ("worker-0", 50071, 1.0),
+        ("worker-1", 50072, 1.0),
+        ("worker-2", 50073, 1.0),
+        ("router-0", 50051, 0.0),
+    ]
     assert len({s.metrics_port for s in cuda}) == len(cuda)
     assert all(s.num_gpus == 0 for s in plan_services(1, 1, device="cpu", **kwargs))
     with pytest.raises(ValueError, match="EPD_DEVICE"):
@@ -95,10 +110,20 @@ def test_launch_wires_services_and_stops_every_process(tmp_path: Path) -> None:
     """Services find each other through one Redis (started here: nothing answers at the URL)."""
     before = set(descendants(os.getpid()))
     redis_url = f"redis://127.0.0.1:{free_port()}/0"
-    cluster = launch_on_ray(str(tmp_path), encoders=2, workers=2, router_port=0, encoder_port=0,
-                            worker_port=0, metrics_port=0, redis_url=redis_url,
-                            env={"EPD_LOG_LEVEL": "DEBUG", "EPD_REDIS_URL": "redis://elsewhere:6379/0"},
-                            command=[sys.executable, str(FAKE_EPD)], ready_timeout_s=60)
+    cluster = launch_on_ray(
+        str(tmp_path),
+        encoders=2,
+        workers=2,
+        router_port=0,
+        http_port=None,
+        encoder_port=0,
+        worker_port=0,
+        metrics_port=0,
+        redis_url=redis_url,
+        env={"EPD_LOG_LEVEL": "DEBUG", "EPD_REDIS_URL": "redis://elsewhere:6379/0"},
+        command=[sys.executable, str(FAKE_EPD)],
+        ready_timeout_s=60,
+    )
     try:
         assert cluster.redis_url == redis_url and redis_answers(redis_url)
         addresses = cluster.addresses()
@@ -135,10 +160,17 @@ def test_redis_is_started_only_for_a_silent_loopback_url(redis_url: str) -> None
 def test_failed_start_reports_the_log_and_cleans_up(tmp_path: Path) -> None:
     before = set(descendants(os.getpid()))
     with pytest.raises(RuntimeError, match="exited with") as caught:
-        launch_on_ray(str(tmp_path), router_port=0, encoder_port=0, worker_port=0, metrics_port=0,
-                      redis_url=f"redis://127.0.0.1:{free_port()}/0",
-                      command=[sys.executable, "-c", "import sys; print('no such role'); sys.exit(3)"],
-                      ready_timeout_s=30)
+        launch_on_ray(
+            str(tmp_path),
+            router_port=0,
+            http_port=None,
+            encoder_port=0,
+            worker_port=0,
+            metrics_port=0,
+            redis_url=f"redis://127.0.0.1:{free_port()}/0",
+            command=[sys.executable, "-c", "import sys; print('no such role'); sys.exit(3)"],
+            ready_timeout_s=30,
+        )
     assert "no such role" in str(caught.value)
     assert wait_gone([p for p in descendants(os.getpid()) if p not in before]) == []
 
@@ -146,16 +178,23 @@ def test_failed_start_reports_the_log_and_cleans_up(tmp_path: Path) -> None:
 def test_epd_cluster_on_local_ray_serves_an_image_request(tiny_model_dir: Path, redis_url: str) -> None:
     """The real `epd serve` services as Ray actors: healthy, one image request, clean stop."""
     before = set(descendants(os.getpid()))
-    cluster = launch_on_ray(str(tiny_model_dir), redis_url=redis_url, router_port=0, encoder_port=0,
-                            worker_port=0, metrics_port=None, env={"EPD_DEVICE": "cpu"},
-                            ready_timeout_s=240)
+    cluster = launch_on_ray(
+        str(tiny_model_dir),
+        redis_url=redis_url,
+        router_port=0,
+        http_port=None,
+        encoder_port=0,
+        worker_port=0,
+        metrics_port=None,
+        env={"EPD_DEVICE": "cpu"},
+        ready_timeout_s=240,
+    )
     try:
         for address in sum(cluster.addresses().values(), []):
             assert serving(address), address
         client = Client(cluster.router_addr)
         try:
-            answer = client.generate(user_request("Describe the image.", [png_bytes()], max_tokens=4),
-                                     timeout_s=120)
+            answer = client.generate(user_request("Describe the image.", [png_bytes()], max_tokens=4), timeout_s=120)
         finally:
             client.close()
         assert answer.final is not None and answer.token_ids

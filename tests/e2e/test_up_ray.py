@@ -28,7 +28,7 @@ from tests import media_factory
 from tests.integration.conftest import RedisServer
 
 ROUTER = "127.0.0.1:50051"
-PORTS = (50051, 50061, 50071, 9400, 9401, 9402)
+PORTS = (50051, 50061, 50071, 9400, 9401, 9402, 8000)
 READY_LINE = "Ctrl-C stops everything."
 SESSION = re.compile(r"session_\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_\d+_\d+")
 
@@ -115,8 +115,9 @@ def ray_session(processes: list[psutil.Process]) -> str:
         text = cmdline(process)
         if "gcs_server" in text and (match := SESSION.search(text)):
             return match.group(0)
-    raise AssertionError("no Ray GCS server among the processes epd up started:\n"
-                         + "\n".join(cmdline(p)[:200] for p in processes))
+    raise AssertionError(
+        "no Ray GCS server among the processes epd up started:\n" + "\n".join(cmdline(p)[:200] for p in processes)
+    )
 
 
 def kill_tree(pid: int) -> None:
@@ -142,12 +143,18 @@ def ask(image: bytes):
 
 
 def test_up_ray_serves_an_image_request_and_ctrl_c_stops_everything(
-        tiny_model_dir: Path, redis_server: RedisServer) -> None:
+    tiny_model_dir: Path, redis_server: RedisServer
+) -> None:
     taken = wait_ports_free(PORTS, timeout_s=120)
     assert not taken, f"`epd up --ray` needs ports {PORTS}; still in use: {taken}"
     env = {**os.environ, "EPD_REDIS_URL": redis_server.url}
-    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--ray", "--model", str(tiny_model_dir)],
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    up = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--ray", "--model", str(tiny_model_dir)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     output = Output(up.stdout)
     try:
         assert output.wait_for(READY_LINE, timeout_s=300), "epd up --ray did not come up:\n" + output.text()

@@ -38,13 +38,15 @@ class Outcome:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir: Path, redis_server: RedisServer,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, Process]]:
+def cluster(
+    tiny_model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[LocalCluster, Process]]:
     log_dir = tmp_path_factory.mktemp("logs")
     env = {"EPD_KV_CACHE_BYTES": str(KV_BLOCKS * BLOCK_BYTES), "EPD_ADMISSION_MAX_WAIT_S": "0.5"}
-    local = start_cluster(ClusterSpec(tiny_model_dir, workers=2, redis_url=redis_server.url, free_ports=True,
-                                      env=env, log_dir=log_dir))
-    base = {"EPD_MODEL": str(tiny_model_dir), "EPD_REDIS_URL": redis_server.url, **env}
+    local = start_cluster(
+        ClusterSpec(tiny_model_dir, workers=2, redis_url=redis_server.url, free_ports=True, env=env, log_dir=log_dir)
+    )
+    base = {"EPD_MODEL": str(tiny_model_dir), "EPD_REDIS_URL": redis_server.url, "EPD_HTTP_PORT": "0", **env}
     second_router = spawn("router", free_port(), free_port(), base, log_dir)
     wait_healthy(second_router.address, 120)
     yield local, second_router
@@ -63,8 +65,12 @@ def _one(address: str, index: int) -> Outcome:
             return Outcome(tokens=len(answer.token_ids), seconds=time.perf_counter() - start)
         except grpc.RpcError as exc:
             trailing = dict(exc.trailing_metadata() or ())
-            return Outcome(code=exc.code(), details=exc.details(), retry_after_ms=trailing.get("retry-after-ms"),
-                           seconds=time.perf_counter() - start)
+            return Outcome(
+                code=exc.code(),
+                details=exc.details(),
+                retry_after_ms=trailing.get("retry-after-ms"),
+                seconds=time.perf_counter() - start,
+            )
 
 
 def _burst(addresses: list[str], count: int, redis_url: str) -> tuple[list[Outcome], list[dict]]:

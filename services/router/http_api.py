@@ -1,0 +1,285 @@
+"""The OpenAI-compatible HTTP API (FastAPI): chat completions, count_tokens, models, health.
+
+Invariants: a chat completion runs through the router's one generation path (`generate_stream`, the
+same admission, limits, safe fetch and metrics as gRPC's Generate) and is answered from the same
+`GenerateResponse` stream. A client that disconnects, before or during the answer, cancels the
+generation, which frees the request's KV blocks on its worker. No request waits past the router's
+request timeout (504). Every error answer is OpenAI's error JSON (services/router/http_errors.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
+
+from services.common.rpc.epd.v1 import generation_pb2
+from services.router.errors import RequestError
+from services.router.http_errors import (
+    HttpError,
+    from_request_error,
+    from_validation,
+    internal,
+    too_large_body,
+)
+from services.router.openai_request import ChatCompletionRequest, generate_request
+from services.router.openai_response import (
+    DONE,
+    ChunkWriter,
+    CompletionBuilder,
+    Envelope,
+    sse,
+    token_count_json,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+DEADLINE_GRACE_S = 1.0  # the worker call's own deadline (the same timeout) ends a request first, with its message
+CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never read by anyone
+
+
+class Generation(Protocol):
+    """The router's generation path (services/router/server.py's GenerationServicer)."""
+
+    def generate_stream(
+        self, request: generation_pb2.GenerateRequest, timeout_s: float | None
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]: ...
+
+    async def count_tokens(self, request: generation_pb2.GenerateRequest) -> generation_pb2.TokenCount: ...
+
+
+class Workers(Protocol):
+    def workers(self) -> list[Any]: ...
+
+
+@dataclass(frozen=True)
+class HttpApi:
+    """What the HTTP API serves from: shared objects of the router process, never copies."""
+
+    generation: Generation
+    view: Workers
+    count_invalid: Callable[[], None]  # counts a request refused before it reached the generation path
+    model_id: str
+    max_model_len: int
+    request_timeout_s: float
+    max_body_bytes: int
+
+
+def served_model_id(model_dir: Path) -> str:
+    """The model's id on the API: the model folder's name (e.g. `Qwen2-VL-7B-Instruct`)."""
+    return model_dir.resolve().name
+
+
+def max_body_bytes(max_request_bytes: int) -> int:
+    """Largest JSON body accepted: the media bytes allowed per request as base64, plus 1 MiB of text."""
+    return max_request_bytes * 4 // 3 + (1 << 20)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events; the body generator is closed on every exit, a dropped client included."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def guarded(request: Request, work: Awaitable[T], timeout_s: float) -> T:
+    """Await `work` unless the client disconnects first (ClientGone) or `timeout_s` passes (504); either way
+    `work` is cancelled, which cancels its generation."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        task.cancel()  # no-op when it finished
+    if task in done:
+        return task.result()
+    with contextlib.suppress(asyncio.CancelledError, RequestError):
+        await task  # let the cancellation reach the worker call before answering
+    if watcher in done:
+        raise ClientGone
+    raise HttpError(504, "request did not finish within the router's request timeout", "deadline_exceeded")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to pass `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large_body(limit)
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise too_large_body(limit)
+    return bytes(body)
+
+
+async def _collect(stream: AsyncIterator[generation_pb2.GenerateResponse], builder: CompletionBuilder) -> None:
+    async with contextlib.aclosing(stream):
+        async for response in stream:
+            builder.add(response)
+
+
+async def _events(
+    first: generation_pb2.GenerateResponse,
+    stream: AsyncIterator[generation_pb2.GenerateResponse],
+    writer: ChunkWriter,
+) -> AsyncIterator[bytes]:
+    """The SSE body: the role chunk, a chunk per response, then `[DONE]`; a failure mid-stream is sent
+    as an error event (the status line has gone already)."""
+    async with contextlib.aclosing(stream):
+        for chunk in writer.start():
+            yield sse(chunk)
+        response: generation_pb2.GenerateResponse | None = first
+        while response is not None:
+            for chunk in writer.add(response):
+                yield sse(chunk)
+            try:
+                response = await anext(stream, None)
+            except RequestError as exc:
+                yield sse(from_request_error(exc).body())
+                break
+            except Exception:
+                log.exception("HTTP stream failed unexpectedly")
+                yield sse(internal().body())
+                break
+        yield DONE
+
+
+def _parse(raw: bytes) -> ChatCompletionRequest:
+    try:
+        return ChatCompletionRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        raise from_validation(exc) from exc
+
+
+class Routes:
+    """The endpoints, over one HttpApi."""
+
+    def __init__(self, api: HttpApi) -> None:
+        self.api = api
+        self.created = int(time.time())
+
+    async def body(self, request: Request) -> ChatCompletionRequest:
+        body = _parse(await read_body(request, self.api.max_body_bytes))
+        if body.model is not None and body.model != self.api.model_id:
+            raise HttpError(
+                404,
+                f"model {body.model!r} is not served here; use {self.api.model_id!r}",
+                "model_not_found",
+                param="model",
+            )
+        return body
+
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            body = await self.body(request)
+            proto = generate_request(body, uuid.uuid4().hex)
+        except (HttpError, RequestError):
+            self.api.count_invalid()
+            raise
+        envelope = Envelope(f"chatcmpl-{proto.request_id}", int(time.time()), self.api.model_id)
+        stream = self.api.generation.generate_stream(proto, None)
+        timeout_s = self.api.request_timeout_s + DEADLINE_GRACE_S
+        headers = {"X-Request-Id": proto.request_id}
+        if body.stream:
+            first = await guarded(request, anext(stream, None), timeout_s)
+            if first is None:
+                raise internal()
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            events = _events(first, stream, ChunkWriter(envelope, body.n, include_usage, body.logprobs))
+            return EventStream(events, headers={**headers, "Cache-Control": "no-cache"})
+        builder = CompletionBuilder(envelope, body.logprobs)
+        await guarded(request, _collect(stream, builder), timeout_s)
+        return JSONResponse(builder.result(), headers=headers)
+
+    async def count_tokens(self, request: Request) -> dict[str, Any]:
+        proto = generate_request(await self.body(request), "")
+        count = await guarded(request, self.api.generation.count_tokens(proto), self.api.request_timeout_s)
+        return token_count_json(count)
+
+    def model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.api.model_id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "epd",
+            "max_model_len": self.api.max_model_len,
+        }
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self.model_card()]}
+
+    async def model(self, model_id: str) -> dict[str, Any]:
+        if model_id != self.api.model_id:
+            raise HttpError(404, f"model {model_id!r} is not served here", "model_not_found", param="model")
+        return self.model_card()
+
+    async def health(self) -> dict[str, Any]:
+        workers = len(self.api.view.workers())
+        if not workers:
+            raise HttpError(503, "no worker is registered: this router cannot serve requests now", "unavailable")
+        return {"status": "ok", "workers": workers}
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def on_http_error(_: Request, exc: HttpError) -> Response:
+        return exc.response()
+
+    async def on_request_error(_: Request, exc: RequestError) -> Response:
+        return from_request_error(exc).response()
+
+    async def on_client_gone(_: Request, __: ClientGone) -> Response:
+        return Response(status_code=CLIENT_CLOSED)
+
+    async def on_starlette(_: Request, exc: HTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_argument")
+        return HttpError(exc.status_code, str(exc.detail), code).response()
+
+    async def on_unexpected(_: Request, __: Exception) -> Response:
+        return internal().response()  # Starlette re-raises it afterwards, and uvicorn logs it
+
+    app.add_exception_handler(HttpError, on_http_error)
+    app.add_exception_handler(RequestError, on_request_error)
+    app.add_exception_handler(ClientGone, on_client_gone)
+    app.add_exception_handler(HTTPException, on_starlette)
+    app.add_exception_handler(Exception, on_unexpected)
+
+
+def build_app(api: HttpApi) -> FastAPI:
+    """The ASGI app; it holds no state of its own beyond `api`."""
+    app = FastAPI(title="epd", docs_url=None, redoc_url=None, openapi_url=None)
+    routes = Routes(api)
+    app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/count_tokens", routes.count_tokens, methods=["POST"])
+    app.add_api_route("/v1/models", routes.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", routes.model, methods=["GET"])
+    app.add_api_route("/health", routes.health, methods=["GET"])
+    _install_error_handlers(app)
+    return app

@@ -1,0 +1,87 @@
+"""uvicorn serving the HTTP API inside the router's own asyncio loop, next to the gRPC server.
+
+Invariants: one process, one loop, so admission, metrics and the cluster view are the objects the
+gRPC API uses; uvicorn installs no signal handlers and no logging config of its own (the router's
+`run_until_signalled` owns SIGINT/SIGTERM and stops HTTP with everything else); a port that cannot be
+bound fails the router's start-up with OSError rather than leaving it half up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+
+import uvicorn
+
+from services.common.model_info import ModelInfo
+from services.router.config import RouterConfig
+from services.router.http_api import Generation, HttpApi, Workers, build_app, max_body_bytes, served_model_id
+from services.router.metrics import RouterMetrics
+
+log = logging.getLogger(__name__)
+GRACE_S = 2  # open HTTP streams get this long to finish when the router stops, like gRPC's grace
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket for host:port (port 0 picks a free one); OSError naming the address if taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot bind the HTTP API to {host}:{port}: {exc.strerror}") from exc
+    return sock
+
+
+async def start_http_server(api: HttpApi, host: str, port: int) -> tuple[int, Callable[[], Awaitable[None]]]:
+    """Serve the HTTP API on host:port; returns the bound port and an async stop function."""
+    sock = listen_socket(host, port)
+    config = uvicorn.Config(
+        build_app(api),
+        lifespan="off",
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=GRACE_S,
+    )
+    config.load()
+    server = uvicorn.Server(config)
+    server.lifespan = config.lifespan_class(config)  # what Server.serve() sets up before startup()
+    await server.startup(sockets=[sock])
+    ticker = asyncio.create_task(server.main_loop())  # date header, should_exit
+    bound = sock.getsockname()[1]
+    log.info("HTTP API (OpenAI-compatible) serving on %s:%d, model %r", host, bound, api.model_id)
+
+    async def stop() -> None:
+        server.should_exit = True
+        await ticker
+        await server.shutdown(sockets=[sock])
+
+    return bound, stop
+
+
+async def serve_router_http(
+    config: RouterConfig, info: ModelInfo, generation: Generation, view: Workers, metrics: RouterMetrics
+) -> Callable[[], Awaitable[None]]:
+    """The router's HTTP API on config.host:config.http_port over its shared objects; returns its stop
+    function (a no-op when `http_port` is 0, HTTP off)."""
+    if not config.http_port:
+        return _nothing
+    api = HttpApi(
+        generation=generation,
+        view=view,
+        count_invalid=lambda: metrics.requests.add(1, {"outcome": "invalid_argument"}),
+        model_id=served_model_id(info.model_dir),
+        max_model_len=info.adapter.max_context,
+        request_timeout_s=config.request_timeout_s,
+        max_body_bytes=max_body_bytes(config.max_request_bytes),
+    )
+    _, stop = await start_http_server(api, config.host, config.http_port)
+    return stop
+
+
+async def _nothing() -> None:
+    return None

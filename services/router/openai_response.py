@@ -1,0 +1,150 @@
+"""OpenAI response objects built from the `GenerateResponse` stream gRPC's Generate yields.
+
+`chat.completion.chunk` objects for streaming (`ChunkWriter`) and one `chat.completion` for a
+non-streamed answer (`CompletionBuilder`). Invariant: both read the same responses in the same way,
+so a choice's streamed deltas concatenate to its non-streamed content, and either equals the text of
+that choice in the gRPC answer to the same request; its logprob entries are the gRPC chunk's
+`logprobs`, one per token, in order; `usage` carries the Final's numbers unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common.rpc.epd.v1 import common_pb2, generation_pb2
+
+DONE = b"data: [DONE]\n\n"
+LOWEST_LOGPROB = -9999.0  # what -inf is sent as (JSON has no infinities), as vLLM does
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    """One server-sent event carrying `payload` as JSON."""
+    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def usage_json(usage: generation_pb2.Usage) -> dict[str, Any]:
+    """OpenAI's usage, plus epd's `image_tokens` (prompt tokens that stand for images)."""
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "image_tokens": usage.image_tokens,
+    }
+
+
+def _logprob(value: float) -> float:
+    return value if math.isfinite(value) else LOWEST_LOGPROB
+
+
+def _alternative(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": _logprob(logprob), "bytes": list(token.encode())}
+
+
+def logprob_entry(entry: common_pb2.TokenLogprob) -> dict[str, Any]:
+    """One `choices[i].logprobs.content[]` entry: the sampled token and its top alternatives."""
+    top = [_alternative(t.token, t.logprob) for t in entry.top]
+    return {**_alternative(entry.token, entry.logprob), "top_logprobs": top}
+
+
+def choice_ends(final: generation_pb2.Final) -> list[tuple[int, str]]:
+    """(index, finish_reason) of every choice, in index order."""
+    if not final.choices:
+        return [(0, final.finish_reason)]
+    return [(end.index, end.finish_reason) for end in sorted(final.choices, key=lambda end: end.index)]
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """What every object of one completion shares."""
+
+    id: str
+    created: int
+    model: str
+
+    def wrap(self, kind: str, **fields: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, **fields}
+
+
+@dataclass
+class ChunkWriter:
+    """Streaming: each response becomes the chunk objects to send, in order."""
+
+    envelope: Envelope
+    n: int = 1
+    include_usage: bool = False
+    logprobs: bool = False
+
+    def _chunk(self, index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        extra = {"usage": None} if self.include_usage else {}
+        return self.envelope.wrap("chat.completion.chunk", choices=[choice], **extra)
+
+    def start(self) -> list[dict[str, Any]]:
+        """The opening chunk of every choice: the assistant's role, no content yet."""
+        return [self._chunk(i, {"role": "assistant", "content": ""}) for i in range(self.n)]
+
+    def add(self, response: generation_pb2.GenerateResponse) -> list[dict[str, Any]]:
+        if response.HasField("chunk"):
+            chunk = response.chunk
+            if not chunk.text and not (self.logprobs and chunk.logprobs):
+                return []  # tokens whose text is held back (a possible stop string, a partial character)
+            logprobs = {"content": [logprob_entry(e) for e in chunk.logprobs]} if self.logprobs else None
+            return [self._chunk(chunk.index, {"content": chunk.text}, logprobs)]
+        final = response.final
+        out = [self._chunk(index, {}, finish=reason) for index, reason in choice_ends(final)]
+        if self.include_usage:
+            out.append(self.envelope.wrap("chat.completion.chunk", choices=[], usage=usage_json(final.usage)))
+        return out
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class CompletionBuilder:
+    """Non-streaming: the responses gathered into one `chat.completion`."""
+
+    envelope: Envelope
+    logprobs: bool = False
+    choices: dict[int, _Choice] = field(default_factory=dict)
+    final: generation_pb2.Final | None = None
+
+    def add(self, response: generation_pb2.GenerateResponse) -> None:
+        if response.HasField("chunk"):
+            choice = self.choices.setdefault(response.chunk.index, _Choice())
+            choice.text.append(response.chunk.text)
+            choice.logprobs.extend(logprob_entry(e) for e in response.chunk.logprobs)
+        else:
+            self.final = response.final
+
+    def _choice(self, index: int, reason: str) -> dict[str, Any]:
+        got = self.choices.get(index, _Choice())
+        logprobs = {"content": got.logprobs} if self.logprobs else None
+        message = {"role": "assistant", "content": "".join(got.text)}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
+
+    def result(self) -> dict[str, Any]:
+        if self.final is None:
+            raise ValueError("the stream ended without a final message")
+        choices = [self._choice(index, reason) for index, reason in choice_ends(self.final)]
+        return self.envelope.wrap("chat.completion", choices=choices, usage=usage_json(self.final.usage))
+
+
+def token_count_json(count: generation_pb2.TokenCount) -> dict[str, Any]:
+    """CountTokens' numbers under their proto names."""
+    return {
+        "object": "token_count",
+        "prompt_tokens": count.prompt_tokens,
+        "text_tokens": count.text_tokens,
+        "image_tokens": count.image_tokens,
+        "max_tokens": count.max_tokens,
+        "projected_tokens": count.projected_tokens,
+        "tokens_per_item": list(count.tokens_per_item),
+    }

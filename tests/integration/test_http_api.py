@@ -1,0 +1,509 @@
+"""The OpenAI-compatible HTTP API for real: the official `openai` client against router, encoder and worker
+processes and a real Redis, every answer checked against the gRPC API's answer to the same request.
+
+The worker's KV holds 512 blocks of 16 tokens, so one long request (7000 tokens) leaves too little for a
+second one (429), and a request of 8192 new tokens can never fit (400).
+"""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from services.client import Client, user_request
+from services.common.registry import Registry
+from services.common.rpc.epd.v1 import common_pb2, generation_pb2
+from services.launch.health import wait_healthy
+from services.launch.local import ClusterSpec, LocalCluster, free_port, spawn, start_cluster
+from tests import media_factory
+from tests.integration.conftest import RedisServer
+from tests.kv_sampler import KVSampler
+
+BLOCK_BYTES = 2 * 2 * 2 * 16 * 16 * 4  # K and V x layers x kv heads x head dim x block size x fp32 (tiny model)
+KV_BLOCKS = 512
+MAX_ITEM_BYTES = 1 << 20
+MAX_REQUEST_BYTES = 2 << 20
+MAX_TOKENS = 12
+LONG_TOKENS = 7000  # 440+ of the 512 blocks, and seconds of decoding
+PROMPT = "Describe the picture."
+IMAGES = [media_factory.png(64, 96, seed=5), media_factory.jpeg(150, 80, seed=6)]
+
+
+@dataclass
+class Api:
+    local: LocalCluster
+    model_dir: Path
+    grpc: Client
+    openai: openai.OpenAI
+    registry: Registry
+
+    @property
+    def model(self) -> str:
+        return self.model_dir.resolve().name
+
+    @property
+    def url(self) -> str:
+        return self.local.http_url
+
+    def post(self, path: str, body: dict[str, Any], timeout_s: float = 60) -> httpx.Response:
+        return httpx.post(f"{self.url}{path}", json=body, timeout=timeout_s)
+
+
+@pytest.fixture(scope="module")
+def api(tiny_model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
+    env = {
+        "EPD_FETCH_ALLOW_LOOPBACK_FOR_TESTS": "true",
+        "EPD_KV_CACHE_BYTES": str(KV_BLOCKS * BLOCK_BYTES),
+        "EPD_MAX_ITEM_BYTES": str(MAX_ITEM_BYTES),
+        "EPD_MAX_REQUEST_BYTES": str(MAX_REQUEST_BYTES),
+    }
+    spec = ClusterSpec(
+        tiny_model_dir, redis_url=redis_server.url, free_ports=True, env=env, log_dir=tmp_path_factory.mktemp("logs")
+    )
+    local = start_cluster(spec)
+    client = openai.OpenAI(base_url=f"{local.http_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    api = Api(local, tiny_model_dir, Client(local.address), client, Registry(redis_server.url))
+    yield api
+    client.close()
+    api.grpc.close()
+    local.stop()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def chat(prompt: str, urls: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """One user turn for the HTTP API: the images first, then the text (as `user_request` lays it out)."""
+    parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": prompt}]}]
+
+
+def grpc_request(prompt: str, urls: Sequence[str] = (), **sampling: Any) -> generation_pb2.GenerateRequest:
+    """The same turn for gRPC, built independently of the HTTP API's translation."""
+    parts = [generation_pb2.ContentPart(image=generation_pb2.Media(url=url)) for url in urls]
+    parts.append(generation_pb2.ContentPart(text=prompt))
+    return generation_pb2.GenerateRequest(
+        messages=[generation_pb2.Message(role="user", content=parts)], sampling=common_pb2.SamplingParams(**sampling)
+    )
+
+
+def worker_states(api: Api) -> list[dict[str, Any]]:
+    return [m.state for m in api.registry.members("worker") or []]
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def all_blocks_free(api: Api) -> bool:
+    states = worker_states(api)
+    return bool(states) and all(
+        s["free_blocks"] == s["total_blocks"] and s["reserved_blocks"] == 0 and s["running"] == 0 for s in states
+    )
+
+
+def router_metric(api: Api, name: str, label: str) -> float:
+    """The sum of the router's `name{...label...}` samples on its Prometheus endpoint."""
+    text = httpx.get(f"http://127.0.0.1:{api.local.router.metrics_port}/metrics", timeout=5).text
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{") and label in line
+    )
+
+
+def router_requests(api: Api, outcome: str) -> float:
+    """The router's `epd_requests_total{outcome=...}`: HTTP requests are counted as gRPC ones are."""
+    return router_metric(api, "epd_requests_total", f'outcome="{outcome}"')
+
+
+def error_body(response: httpx.Response) -> dict[str, Any]:
+    """The OpenAI error object of a response, checked for its exact shape."""
+    body = response.json()
+    assert set(body) == {"error"}, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+def grpc_error(api: Api, request: generation_pb2.GenerateRequest) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        api.grpc.generate(request, timeout_s=60)
+    return info.value
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("images", [1, 2])
+def test_greedy_chat_equals_grpc(api: Api, images: int, stream: bool) -> None:
+    pictures = IMAGES[:images]
+    expected = api.grpc.generate(user_request(PROMPT, pictures, max_tokens=MAX_TOKENS))
+    messages = chat(PROMPT, [data_url(p) for p in pictures])
+    create = api.openai.chat.completions.create
+    if stream:
+        chunks = list(
+            create(
+                model=api.model,
+                messages=messages,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
+        usage = chunks[-1].usage
+        assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+    else:
+        completion = create(model=api.model, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+        assert completion.object == "chat.completion" and completion.model == api.model
+        text, finish, usage = (
+            completion.choices[0].message.content,
+            [completion.choices[0].finish_reason],
+            completion.usage,
+        )
+    assert text and text == expected.text
+    assert finish == [expected.final.finish_reason]
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        expected.final.usage.prompt_tokens,
+        expected.final.usage.completion_tokens,
+    )
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.model_extra["image_tokens"] == expected.final.usage.image_tokens > 0
+    assert usage.prompt_tokens_details.cached_tokens > 0  # the gRPC call just cached this prompt's blocks
+
+
+def test_count_tokens_equals_grpc(api: Api) -> None:
+    urls = [data_url(p) for p in IMAGES]
+    response = api.post("/v1/count_tokens", {"model": api.model, "messages": chat(PROMPT, urls), "max_tokens": 30})
+    assert response.status_code == 200, response.text
+    count = api.grpc.count(user_request(PROMPT, IMAGES, max_tokens=30))
+    assert response.json() == {
+        "object": "token_count",
+        "prompt_tokens": count.prompt_tokens,
+        "text_tokens": count.text_tokens,
+        "image_tokens": count.image_tokens,
+        "max_tokens": 30,
+        "projected_tokens": count.prompt_tokens + 30,
+        "tokens_per_item": list(count.tokens_per_item),
+    }
+
+
+def test_models_and_health(api: Api) -> None:
+    assert [m.id for m in api.openai.models.list().data] == [api.model]
+    assert api.openai.models.retrieve(api.model).owned_by == "epd"
+    health = httpx.get(f"{api.url}/health", timeout=10)
+    assert (health.status_code, health.json()) == (200, {"status": "ok", "workers": 1})
+
+
+@contextmanager
+def extra_router(api: Api, tmp_path: Path, redis_url: str, **env: str) -> Iterator[str]:
+    """One more router for the same model with its own settings; yields its HTTP base URL."""
+    http_port = free_port()
+    settings = {"EPD_MODEL": str(api.model_dir), "EPD_REDIS_URL": redis_url, "EPD_HTTP_PORT": str(http_port), **env}
+    router = spawn("router", free_port(), free_port(), settings, tmp_path)
+    try:
+        wait_healthy(router.address, 120, alive=lambda: router.popen.poll() is None)
+        yield f"http://127.0.0.1:{http_port}"
+    finally:
+        router.popen.terminate()
+        router.popen.wait(10)
+
+
+def test_health_and_requests_without_a_worker_are_503(api: Api, redis_server: RedisServer, tmp_path: Path) -> None:
+    empty = redis_server.url.rsplit("/", 1)[0] + "/1"  # a database no service registers in
+    with extra_router(api, tmp_path, empty, EPD_ADMISSION_MAX_WAIT_S="0.2") as url:
+        health = httpx.get(f"{url}/health", timeout=10)
+        assert health.status_code == 503
+        assert error_body(health)["code"] == "unavailable"
+        answer = httpx.post(f"{url}/v1/chat/completions", json={"messages": chat("hello")}, timeout=30)
+        assert answer.status_code == 503
+        assert error_body(answer) == {
+            "message": "no healthy worker is registered",
+            "type": "server_error",
+            "param": None,
+            "code": "unavailable",
+        }
+
+
+def _bad_inputs() -> dict[str, tuple[list[str], dict[str, Any]]]:
+    """name -> (image URLs, extra fields), each refused with 400 and gRPC's INVALID_ARGUMENT message."""
+    small = data_url(media_factory.png(32, 32, seed=1))
+    return {
+        "bad_image_bytes": ([data_url(b"\x89PNG\r\n\x1a\nthis is not a png")], {}),
+        "too_many_images": ([small] * 9, {}),
+        "private_address_url": (["https://10.0.0.1/x.png"], {}),
+        "max_tokens_over_cap": ([], {"max_tokens": 8193}),
+    }
+
+
+@pytest.mark.parametrize("name", list(_bad_inputs()))
+def test_bad_input_is_400_with_grpcs_message(api: Api, name: str) -> None:
+    urls, extra = _bad_inputs()[name]
+    with pytest.raises(openai.BadRequestError) as info:
+        api.openai.chat.completions.create(model=api.model, messages=chat(PROMPT, urls), **extra)
+    error = error_body(info.value.response)
+    expected = grpc_error(api, grpc_request(PROMPT, urls, max_tokens=extra.get("max_tokens", 0)))
+    assert expected.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error == {
+        "message": expected.details(),
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "invalid_argument",
+    }
+
+
+def test_too_large_is_413(api: Api) -> None:
+    big = data_url(bytes(MAX_ITEM_BYTES + 1000))
+    response = api.post("/v1/chat/completions", {"messages": chat(PROMPT, [big])})
+    assert response.status_code == 413
+    expected = grpc_error(api, grpc_request(PROMPT, [big]))
+    assert error_body(response)["message"] == expected.details() and "limit" in expected.details()
+    body = b'{"messages": [], "pad": "' + b"x" * (4 << 20) + b'"}'  # over the body cap, whatever it holds
+    response = httpx.post(
+        f"{api.url}/v1/chat/completions", content=body, timeout=60, headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 413
+    assert "request body" in error_body(response)["message"]
+
+
+def test_never_fits_is_400(api: Api) -> None:
+    response = api.post("/v1/chat/completions", {"messages": chat("hello"), "max_tokens": 8192})
+    assert response.status_code == 400
+    error = error_body(response)
+    expected = grpc_error(api, grpc_request("hello", max_tokens=8192))
+    assert expected.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert error["code"] == "failed_precondition"
+    assert error["message"].startswith(expected.details()) and "never fit" in error["message"]
+
+
+def test_invalid_bodies_are_400(api: Api) -> None:
+    cases = {
+        "messages: Input should be a valid array": {"messages": "hello"},
+        "tools is not supported": {"messages": chat("hi"), "tools": [{"type": "function"}]},
+        "stream_options is only allowed with stream=true": {
+            "messages": chat("hi"),
+            "stream_options": {"include_usage": True},
+        },
+        "top_logprobs needs logprobs=true": {"messages": chat("hi"), "top_logprobs": 2},
+    }
+    for needle, body in cases.items():
+        response = api.post("/v1/chat/completions", body)
+        assert response.status_code == 400, response.text
+        assert error_body(response)["message"].startswith(needle)
+    response = httpx.post(f"{api.url}/v1/chat/completions", content=b"{not json", timeout=10)
+    assert response.status_code == 400 and error_body(response)["code"] == "invalid_argument"
+    with pytest.raises(openai.NotFoundError) as info:
+        api.openai.chat.completions.create(model="gpt-4o", messages=chat("hi"))
+    assert error_body(info.value.response)["code"] == "model_not_found"
+
+
+def _long(stream: bool) -> dict[str, Any]:
+    return {
+        "messages": chat("tell me a very long story"),
+        "max_tokens": LONG_TOKENS,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+def test_overload_is_429_and_a_dropped_stream_frees_its_blocks(api: Api) -> None:
+    cancelled = router_requests(api, "cancelled")
+    refused = router_metric(api, "epd_admission_rejections_total", 'reason="cluster_full"')
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", f"{api.url}/v1/chat/completions", json=_long(True)) as stream,
+    ):
+        assert stream.status_code == 200
+        lines = stream.iter_lines()  # kept: dropping the iterator would close the connection already
+        assert next(line for line in lines if '"content":' in line)
+        wait_for(lambda: any(s["reserved_blocks"] > 0 for s in worker_states(api)), "the long request's blocks")
+        with pytest.raises(openai.RateLimitError) as info:
+            api.openai.chat.completions.create(model=api.model, messages=chat("one more"), max_tokens=2000)
+        response = info.value.response
+        assert int(response.headers["retry-after"]) >= 1 and int(response.headers["retry-after-ms"]) > 0
+        error = error_body(response)
+        assert (error["type"], error["code"]) == ("rate_limit_error", "resource_exhausted")
+        assert "KV blocks" in error["message"]
+        assert router_metric(api, "epd_admission_rejections_total", 'reason="cluster_full"') == refused + 1
+    # the connection closed mid-stream: the router cancels the request and the worker frees its blocks
+    wait_for(lambda: all_blocks_free(api), "every KV block to be free again")
+    assert router_requests(api, "cancelled") == cancelled + 1
+
+
+def test_a_dropped_whole_answer_frees_its_blocks(api: Api) -> None:
+    cancelled = router_requests(api, "cancelled")
+    with KVSampler(api.registry) as sampler, pytest.raises(httpx.ReadTimeout):
+        api.post("/v1/chat/completions", _long(False), timeout_s=1.5)
+    assert sampler.peaks()["max_reserved_blocks"] > 0, "the request never held blocks"
+    wait_for(lambda: all_blocks_free(api), "every KV block to be free again")
+    assert router_requests(api, "cancelled") == cancelled + 1
+
+
+def test_deadline_is_504(api: Api, redis_server: RedisServer, tmp_path: Path) -> None:
+    with extra_router(api, tmp_path, redis_server.url, EPD_REQUEST_TIMEOUT_S="0.5") as url:
+        response = httpx.post(f"{url}/v1/chat/completions", json=_long(False), timeout=60)
+        assert response.status_code == 504, response.text
+        assert error_body(response)["code"] == "deadline_exceeded"
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        received = []
+        with pytest.raises(openai.APIError) as info:  # the status line has gone: the error comes as an event
+            for chunk in client.chat.completions.create(
+                model=api.model,
+                messages=chat("a story"),
+                stream=True,
+                max_tokens=LONG_TOKENS,
+                extra_body={"ignore_eos": True},
+            ):
+                received.append(chunk)
+        assert received and "deadline" in str(info.value).lower()
+    wait_for(lambda: all_blocks_free(api), "every KV block to be free again")
+
+
+@dataclass
+class GrpcChoices:
+    texts: dict[int, str]
+    logprobs: dict[int, list[common_pb2.TokenLogprob]]
+    final: generation_pb2.Final
+
+
+def grpc_choices(api: Api, request: generation_pb2.GenerateRequest) -> GrpcChoices:
+    """The gRPC answer gathered per choice index."""
+    texts: dict[int, str] = defaultdict(str)
+    logprobs: dict[int, list[common_pb2.TokenLogprob]] = defaultdict(list)
+    final = None
+    for response in api.grpc.stream(request):
+        if response.HasField("chunk"):
+            texts[response.chunk.index] += response.chunk.text
+            logprobs[response.chunk.index].extend(response.chunk.logprobs)
+        else:
+            final = response.final
+    return GrpcChoices(dict(texts), dict(logprobs), final)
+
+
+def _check_entries(entries: list[Any], expected: list[common_pb2.TokenLogprob], k: int) -> None:
+    assert len(entries) == len(expected) > 0
+    for entry, want in zip(entries, expected, strict=True):
+        assert entry.token == want.token and entry.bytes == list(want.token.encode())
+        assert entry.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert [t.token for t in entry.top_logprobs] == [t.token for t in want.top] and len(want.top) == k
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx([t.logprob for t in want.top], abs=1e-4)
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-5)  # greedy: the most likely
+
+
+def test_logprobs_equal_grpcs(api: Api) -> None:
+    request = user_request(PROMPT, IMAGES[:1], max_tokens=8)
+    request.sampling.logprobs = 3
+    expected = grpc_choices(api, request)
+    kwargs = dict(
+        model=api.model,
+        messages=chat(PROMPT, [data_url(IMAGES[0])]),
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    completion = api.openai.chat.completions.create(**kwargs)
+    assert completion.choices[0].message.content == expected.texts[0]
+    _check_entries(completion.choices[0].logprobs.content, expected.logprobs[0], 3)
+    assert len(expected.logprobs[0]) == expected.final.usage.completion_tokens
+    chunks = list(api.openai.chat.completions.create(**kwargs, stream=True))
+    streamed = [entry for c in chunks if c.choices and c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
+    _check_entries(streamed, expected.logprobs[0], 3)
+
+
+def _texts_by_index(choices: list[Any]) -> list[str]:
+    assert sorted(c.index for c in choices) == list(range(len(choices)))
+    return [c.message.content for c in sorted(choices, key=lambda c: c.index)]
+
+
+def test_n_choices_with_a_seed_are_reproducible(api: Api) -> None:
+    kwargs = dict(model=api.model, messages=chat("Say something."), max_tokens=8, temperature=1.0, n=3, seed=1234)
+    first = api.openai.chat.completions.create(**kwargs)
+    texts = _texts_by_index(first.choices)
+    assert len(texts) == 3 and len(set(texts)) > 1, texts  # sampled choices differ from each other
+    assert _texts_by_index(api.openai.chat.completions.create(**kwargs).choices) == texts
+    streamed: dict[int, str] = defaultdict(str)
+    for chunk in api.openai.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert [streamed[i] for i in range(3)] == texts
+    request = user_request("Say something.", max_tokens=8, temperature=1.0, seed=1234)
+    request.sampling.n, request.sampling.top_p = 3, 1.0
+    expected = grpc_choices(api, request)
+    assert [expected.texts.get(i, "") for i in range(3)] == texts
+    assert first.usage.completion_tokens == expected.final.usage.completion_tokens
+    assert first.usage.completion_tokens == sum(end.completion_tokens for end in expected.final.choices)
+
+
+def test_sampling_fields_mean_what_grpcs_do(api: Api) -> None:
+    """temperature, top_p, top_k, seed and stop reach the worker as the gRPC fields of the same names."""
+    sampling = dict(max_tokens=MAX_TOKENS, temperature=0.7, top_p=0.9, top_k=20, seed=5)
+    whole = api.grpc.generate(grpc_request(PROMPT, **sampling))
+    assert len(whole.text) > 4, whole.text
+    stop = whole.text[len(whole.text) // 2 :][:2]
+    cut = api.grpc.generate(grpc_request(PROMPT, **sampling, stop=[stop]))
+    assert cut.final.finish_reason == "stop" and len(cut.text) < len(whole.text)
+    answer = api.openai.chat.completions.create(
+        model=api.model,
+        messages=chat(PROMPT),
+        max_tokens=MAX_TOKENS,
+        temperature=0.7,
+        top_p=0.9,
+        seed=5,
+        stop=stop,
+        extra_body={"top_k": 20},
+    )
+    assert (answer.choices[0].message.content, answer.choices[0].finish_reason) == (cut.text, "stop")
+
+
+def test_cache_salt_separates_prefix_caches(api: Api) -> None:
+    body = dict(model=api.model, messages=chat("a prompt long enough to fill a few KV blocks " * 3), max_tokens=2)
+    assert api.openai.chat.completions.create(**body).usage.prompt_tokens > 32
+    assert api.openai.chat.completions.create(**body).usage.prompt_tokens_details.cached_tokens > 0
+    salted = dict(**body, extra_body={"cache_salt": f"tenant-{time.monotonic_ns()}"})
+    assert api.openai.chat.completions.create(**salted).usage.prompt_tokens_details.cached_tokens == 0
+    assert api.openai.chat.completions.create(**salted).usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_image_url_is_fetched_like_grpc(api: Api) -> None:
+    """An http(s) image URL goes through the router's safe fetcher (loopback allowed in this test cluster only)."""
+    data = IMAGES[0]
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/cat.png"
+        answer = api.openai.chat.completions.create(
+            model=api.model, messages=chat(PROMPT, [url]), max_tokens=MAX_TOKENS, temperature=0
+        )
+    finally:
+        server.shutdown()
+    expected = api.grpc.generate(user_request(PROMPT, [data], max_tokens=MAX_TOKENS))
+    assert answer.choices[0].message.content == expected.text
