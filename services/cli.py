@@ -1,147 +1,41 @@
-"""The `epd` command: serve, up, demo, generate, count, health, make-tiny-model, bench."""
+"""The `epd` command: serve, up, demo, generate, count, health, make-tiny-model, bench.
+
+A user error prints one line, `epd: error: <problem> (<fix>)`, on stderr and exits 2 when the command line
+is wrong or 1 when something failed; an unexpected error prints one line too, or its traceback with
+`--debug` (or EPD_DEBUG=1).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import os
-import signal
 import sys
+import traceback
 from pathlib import Path
+from typing import NoReturn
 
+from services import cli_request, cli_up
+from services.cli_errors import USAGE, UserError, one_line
 from services.common import config as config_lib
-
-DEFAULT_TINY = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "epd" / "tiny-qwen2-vl"
 
 
 def _serve(args: argparse.Namespace) -> int:
     from services.common.service_main import run_until_signalled, setup_logging
+    from services.launch.preflight import check_model
     from services.serve import CONFIGS, start_role
 
-    config = config_lib.load(CONFIGS[args.role], args)
+    try:
+        config = config_lib.load(CONFIGS[args.role], args)
+    except config_lib.ConfigError as exc:
+        raise UserError(f"{exc} (see `epd serve {args.role} --help`)", USAGE) from None
+    check_model(Path(config.model))
     setup_logging(config.log_level)
     if config.torch_threads > 0:
         import torch
 
         torch.set_num_threads(config.torch_threads)
     asyncio.run(run_until_signalled(lambda: start_role(args.role, config)))
-    return 0
-
-
-def _tiny_model(path: Path, family: str = "qwen2-vl") -> Path:
-    from services.models.tiny_model import make_tiny_model
-
-    if not (path / "config.json").exists():
-        print(f"building a tiny random {family} model in {path} ...", flush=True)
-        make_tiny_model(path, family)
-    return path
-
-
-def _start(args: argparse.Namespace):
-    from services.launch.local import ClusterSpec, start_cluster
-
-    model = Path(args.model) if args.model else _tiny_model(DEFAULT_TINY)
-    redis_url = os.environ.get("EPD_REDIS_URL", "redis://127.0.0.1:6379/0")
-    print(f"starting router, {args.encoders} encoder(s), {args.workers} worker(s) for {model} ...", flush=True)
-    return start_cluster(ClusterSpec(model, args.encoders, args.workers, redis_url))
-
-
-def _up(args: argparse.Namespace) -> int:
-    if args.ray:
-        from services.launch.ray_launcher import launch_on_ray
-
-        model = Path(args.model) if args.model else _tiny_model(DEFAULT_TINY)
-        handle = launch_on_ray(model_dir=model, encoders=args.encoders, workers=args.workers,
-                               address=args.address)
-        stop = handle.stop
-        print(f"epd on Ray: {handle}")
-    else:
-        cluster = _start(args)
-        stop = cluster.stop
-        for p in cluster.processes:
-            print(f"  {p.role:8s} {p.address}  metrics http://127.0.0.1:{p.metrics_port}/metrics  log {p.log_path}")
-        print(f"router (gRPC Generate) at {cluster.address}. Try: epd generate --image FILE \"describe\"")
-    print("Ctrl-C stops everything.", flush=True)
-    _wait_for_stop_signal()
-    stop()
-    return 0
-
-
-def _wait_for_stop_signal() -> None:
-    """Block until SIGINT or SIGTERM (both handled, so neither kills us before cleanup)."""
-    import threading
-
-    stopped = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stopped.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while not stopped.wait(0.5):
-            pass
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _demo_image() -> bytes:
-    from PIL import Image, ImageDraw
-
-    image = Image.new("RGB", (448, 336), (30, 90, 160))
-    draw = ImageDraw.Draw(image)
-    draw.ellipse((60, 40, 260, 240), fill=(240, 200, 40))
-    draw.rectangle((280, 120, 420, 300), fill=(200, 40, 60))
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def _print_stream(address: str, request) -> int:
-    from services.client import Client
-
-    with Client(address) as client:
-        count = client.count(request)
-        print(f"tokens: text {count.text_tokens}, image {count.image_tokens}, prompt {count.prompt_tokens}, "
-              f"projected {count.projected_tokens}")
-        final = None
-        for response in client.stream(request):
-            if response.HasField("chunk"):
-                print(response.chunk.text, end="", flush=True)
-            else:
-                final = response.final
-        usage = final.usage
-        print(f"\n[{final.finish_reason}] prompt {usage.prompt_tokens} (text {usage.text_tokens}, image "
-              f"{usage.image_tokens}, cached {usage.cached_tokens}), completion {usage.completion_tokens}, "
-              f"first token {final.timing.first_token_s * 1000:.0f} ms, total {final.timing.total_s:.2f} s")
-    return 0
-
-
-def _request(args: argparse.Namespace):
-    from services.client import user_request
-
-    images = [Path(p).read_bytes() for p in args.image]
-    return user_request(args.prompt, images, max_tokens=args.max_tokens, temperature=args.temperature)
-
-
-def _demo(args: argparse.Namespace) -> int:
-    from services.client import user_request
-
-    cluster = _start(args)
-    try:
-        print(f"cluster up; router at {cluster.address}\nrequest: one 448x336 PNG + \"Describe this image.\"")
-        return _print_stream(cluster.address, user_request("Describe this image.", [_demo_image()],
-                                                            max_tokens=args.max_tokens))
-    finally:
-        cluster.stop()
-        print("cluster stopped.")
-
-
-def _count(args: argparse.Namespace) -> int:
-    from services.client import Client
-
-    with Client(args.address) as client:
-        count = client.count(_request(args))
-    print(f"text {count.text_tokens}\nimage {count.image_tokens}\nprompt {count.prompt_tokens}\n"
-          f"max_tokens {count.max_tokens}\nprojected {count.projected_tokens}\n"
-          f"per item {list(count.tokens_per_item)}")
     return 0
 
 
@@ -167,65 +61,119 @@ def _bench(args: argparse.Namespace) -> int:
 
     root = Path(__file__).resolve().parent.parent
     if not (root / "tests" / "bench" / f"bench_{args.what}.py").exists():
-        print(f"epd bench needs a source checkout (tests/bench/ next to services/); not found under {root}")
-        return 2
+        raise UserError(
+            f"epd bench needs a source checkout: no tests/bench/ next to services/ under {root} "
+            "(run it from a clone of the repository)",
+            USAGE,
+        )
     return subprocess.call([sys.executable, "-m", f"tests.bench.bench_{args.what}", *args.rest], cwd=root)
 
 
-def _parser() -> argparse.ArgumentParser:
-    from services.serve import CONFIGS
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error in one line (no usage block) and exits 2."""
 
-    parser = argparse.ArgumentParser(prog="epd", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run one service in the foreground")
-    serve_roles = serve.add_subparsers(dest="role", required=True)
-    for role, cls in CONFIGS.items():
-        config_lib.add_arguments(serve_roles.add_parser(role, help=f"the {role}"), cls)
-    serve.set_defaults(fn=_serve)
-    for name, fn, text in (("up", _up, "start the whole cluster on this box"),
-                           ("demo", _demo, "start the cluster, send one image request, stop")):
-        cmd = sub.add_parser(name, help=text)
-        cmd.add_argument("--model", help="model folder (default: a tiny random Qwen2-VL built offline)")
-        cmd.add_argument("--encoders", type=int, default=1)
-        cmd.add_argument("--workers", type=int, default=1)
-        cmd.set_defaults(fn=fn)
-        if name == "up":
-            cmd.add_argument("--ray", action="store_true", help="run the services as Ray actors")
-            cmd.add_argument("--address", help="Ray cluster address (default: start a local one)")
-        else:
-            cmd.add_argument("--max-tokens", type=int, default=32)
-    for name, fn in (("generate", _print_stream_cmd), ("count", _count)):
-        cmd = sub.add_parser(name, help=f"{name} through the router")
-        cmd.add_argument("prompt")
-        cmd.add_argument("--image", action="append", default=[], help="image file (repeatable)")
-        cmd.add_argument("--address", default="127.0.0.1:50051")
-        cmd.add_argument("--max-tokens", type=int, default=64)
-        cmd.add_argument("--temperature", type=float, default=0.0)
-        cmd.set_defaults(fn=fn)
-    health = sub.add_parser("health", help="exit 0 when a service reports SERVING")
-    health.add_argument("address")
-    health.add_argument("--service", default="")
-    health.set_defaults(fn=_health)
-    tiny = sub.add_parser("make-tiny-model", help="build a tiny random model folder offline")
-    tiny.add_argument("dir")
-    tiny.add_argument("--family", default="qwen2-vl", choices=["qwen2-vl", "qwen2.5-vl"])
-    tiny.add_argument("--max-pixels", type=int, default=None)
-    tiny.set_defaults(fn=_make_tiny)
-    bench = sub.add_parser("bench", help="benchmarks (print ratios against a same-run baseline)")
-    bench.add_argument("what", choices=["engine", "encoder", "admission"])
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
-    bench.set_defaults(fn=_bench)
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE, f"epd: error: {one_line(message)} (see `{self.prog} --help`)\n")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"epd {version('epd')}"
+    except PackageNotFoundError:
+        return "epd (version unknown: not installed; pip install -e .)"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="epd", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=_version(), help="print the version and exit")
+    _add_debug(parser, False)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve(sub)
+    up = sub.add_parser("up", help="start the whole cluster on this box (Ctrl-C stops it)")
+    cli_up.add_cluster_arguments(up, ray=True)
+    up.set_defaults(fn=cli_up.up)
+    demo = sub.add_parser("demo", help="start the cluster, send one image request, stop")
+    cli_up.add_cluster_arguments(demo, ray=False)
+    demo.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    demo.set_defaults(fn=cli_up.demo)
+    generate = sub.add_parser("generate", help="send one request to the router and print the answer as it streams")
+    cli_request.add_request_arguments(generate, sampling=True, timeout_s=120.0)
+    generate.set_defaults(fn=cli_request.generate)
+    count = sub.add_parser("count", help="count a request's text, image and projected tokens (nothing generated)")
+    cli_request.add_request_arguments(count, sampling=False, timeout_s=30.0)
+    count.set_defaults(fn=cli_request.count)
+    _add_tools(sub)
+    for cmd in sub.choices.values():
+        _add_debug(cmd, argparse.SUPPRESS)
     return parser
 
 
-def _print_stream_cmd(args: argparse.Namespace) -> int:
-    return _print_stream(args.address, _request(args))
+def _add_debug(parser: argparse.ArgumentParser, default: object) -> None:
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=default,
+        help="print the traceback of an unexpected error (also: EPD_DEBUG=1)",
+    )
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from services.serve import CONFIGS
+
+    serve = sub.add_parser("serve", help="run one service in the foreground (flags or EPD_* variables)")
+    roles = serve.add_subparsers(dest="role", required=True, metavar="ROLE")
+    for role, cls in CONFIGS.items():
+        config_lib.add_arguments(roles.add_parser(role, help=f"the {role}"), cls)
+    serve.set_defaults(fn=_serve)
+
+
+def _add_tools(sub: argparse._SubParsersAction) -> None:
+    health = sub.add_parser("health", help="exit 0 when a service reports SERVING")
+    health.add_argument("address", metavar="HOST:PORT", help="the service's gRPC address")
+    health.add_argument("--service", default="", help="the health service name to ask about (default: the server)")
+    health.set_defaults(fn=_health)
+    tiny = sub.add_parser("make-tiny-model", help="build a tiny random model folder offline")
+    tiny.add_argument("dir", help="folder to write the model into")
+    tiny.add_argument("--family", default="qwen2-vl", choices=["qwen2-vl", "qwen2.5-vl"], help="model family")
+    tiny.add_argument("--max-pixels", type=int, default=None, help="image processor's max_pixels (default: its own)")
+    tiny.set_defaults(fn=_make_tiny)
+    bench = sub.add_parser("bench", help="benchmarks (print ratios against a same-run baseline)")
+    bench.add_argument("what", choices=["engine", "encoder", "admission"], help="what to measure")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="flags passed on to the benchmark")
+    bench.set_defaults(fn=_bench)
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub at run time
+    sys.stdout.reconfigure(line_buffering=True)  # lines reach a file or pipe as they are printed
     args = _parser().parse_args(argv)
-    return args.fn(args)
+    debug = args.debug or os.environ.get("EPD_DEBUG", "").lower() in ("1", "true", "yes", "on")
+    try:
+        return args.fn(args)
+    except UserError as exc:
+        return _fail(exc.message, exc.exit_code)
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+    except Exception as exc:
+        if debug or args.command == "serve":  # a service's output is its log: keep the whole story there
+            traceback.print_exc()
+        if debug:
+            return 1
+        return _fail(_unexpected(exc, args.command), 1)
+
+
+def _unexpected(exc: Exception, command: str) -> str:
+    notes = "; ".join(getattr(exc, "__notes__", []))
+    where = f"; {notes}" if notes else ""
+    hint = "the traceback is above" if command == "serve" else "run again with --debug or EPD_DEBUG=1 for the traceback"
+    return f"`epd {command}` failed unexpectedly: {type(exc).__name__}: {one_line(exc, 200)}{where} ({hint})"
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"epd: error: {one_line(message, 600)}", file=sys.stderr, flush=True)
+    return code
 
 
 if __name__ == "__main__":

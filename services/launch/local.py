@@ -1,9 +1,10 @@
 """`epd up`: the whole cluster as subprocesses on 127.0.0.1.
 
 Starts Redis when none answers (and `redis-server` exists), then encoders, workers and the
-router, each as `epd serve <role>` with EPD_* settings; waits until every gRPC health check
-says SERVING. Invariant: `LocalCluster.stop()` terminates every process it started (SIGTERM,
-then SIGKILL after a grace period), Redis included when it started it.
+router, each as `epd serve <role>` with EPD_* settings on the ports `plan_ports` decides; waits
+until every gRPC health check says SERVING, reporting each service as it does. Invariant:
+`LocalCluster.stop()` terminates every process it started (SIGTERM, then SIGKILL after a grace
+period), Redis included when it started it; so does a failed or interrupted `start_cluster`.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
 
-from services.launch.health import wait_healthy
+from services.launch.health import check
 
 ROUTER_PORT, ENCODER_PORT, WORKER_PORT, METRICS_PORT, HTTP_PORT = 50051, 50061, 50071, 9400, 8000
 
@@ -37,9 +39,51 @@ class ClusterSpec:
     encoders: int = 1
     workers: int = 1
     redis_url: str = "redis://127.0.0.1:6379/0"
-    free_ports: bool = False  # tests: pick free ports instead of the documented defaults
+    free_ports: bool = False  # tests: pick free ports instead of the ones below
     env: dict[str, str] = field(default_factory=dict)  # extra EPD_* settings for every service
     log_dir: Path | None = None
+    router_port: int = ROUTER_PORT
+    http_port: int = HTTP_PORT  # 0: the router serves no HTTP; EPD_HTTP_PORT in `env` wins
+    encoder_port: int = ENCODER_PORT  # encoders listen on this port and the next ones
+    worker_port: int = WORKER_PORT  # workers likewise
+    metrics_port: int = METRICS_PORT  # encoders, workers, then the router, one port each; 0: no metrics
+
+
+@dataclass(frozen=True)
+class PortPlan:
+    """Every port a local cluster listens on, decided before anything starts (0: that endpoint is off)."""
+
+    router: int
+    http: int
+    encoders: tuple[int, ...]
+    workers: tuple[int, ...]
+    metrics: tuple[int, ...]  # one per service: encoders, then workers, then the router
+
+    def listening(self) -> list[tuple[str, int]]:
+        """`(what, port)` for each port a service will bind, `what` one of router, http, encoder, worker,
+        metrics."""
+        rows = [("router", self.router), ("http", self.http)]
+        rows += [("encoder", p) for p in self.encoders] + [("worker", p) for p in self.workers]
+        rows += [("metrics", p) for p in self.metrics]
+        return [(what, port) for what, port in rows if port > 0]
+
+
+def plan_ports(spec: ClusterSpec) -> PortPlan:
+    """The spec's ports (consecutive from each base), or free ones when `spec.free_ports`."""
+
+    def port(base: int) -> int:
+        return free_port() if spec.free_ports and base else base
+
+    services = spec.encoders + spec.workers + 1
+    metrics_base = spec.metrics_port
+    http = int(spec.env["EPD_HTTP_PORT"]) if "EPD_HTTP_PORT" in spec.env else port(spec.http_port)
+    return PortPlan(
+        router=port(spec.router_port),
+        http=http,
+        encoders=tuple(port(spec.encoder_port + i) for i in range(spec.encoders)),
+        workers=tuple(port(spec.worker_port + i) for i in range(spec.workers)),
+        metrics=tuple(port(metrics_base + i) if metrics_base else 0 for i in range(services)),
+    )
 
 
 @dataclass
@@ -81,16 +125,7 @@ class LocalCluster:
         popens = [p.popen for p in reversed(self.processes)]
         if self.redis_process is not None:
             popens.append(self.redis_process)
-        for popen in popens:
-            if popen.poll() is None:
-                popen.terminate()
-        deadline = time.monotonic() + grace_s
-        for popen in popens:
-            try:
-                popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                popen.kill()
-                popen.wait()
+        _stop_popens(popens, grace_s)
 
 
 def redis_answers(url: str) -> bool:
@@ -145,15 +180,55 @@ def spawn(role: str, port: int, metrics_port: int, env: dict[str, str], log_dir:
     return Process(role, f"127.0.0.1:{port}", metrics_port, popen, log_path)
 
 
-def start_cluster(spec: ClusterSpec, timeout_s: float = 180.0) -> LocalCluster:
-    """Start everything and wait for health; on failure stop what started and raise with logs."""
+class ClusterStartError(RuntimeError):
+    """A service died or was not healthy in time during start-up; everything started was stopped."""
+
+    def __init__(self, process: Process, reason: str, tails: str) -> None:
+        super().__init__(f"cluster did not become healthy: {process.role} at {process.address} {reason}\n{tails}")
+        self.process = process
+        self.reason = reason
+
+
+class _NotReady(Exception):
+    def __init__(self, process: Process, reason: str) -> None:
+        super().__init__(reason)
+        self.process = process
+        self.reason = reason
+
+
+def start_cluster(
+    spec: ClusterSpec, timeout_s: float = 180.0, on_ready: Callable[[Process], None] | None = None
+) -> LocalCluster:
+    """Start everything and wait for health, calling `on_ready` for each service as it becomes healthy.
+
+    On failure (a service exits, or is not healthy within `timeout_s`) stop what started and raise
+    ClusterStartError with every log's tail; on any other exception (Ctrl-C included) stop it and re-raise.
+    """
     redis_process = ensure_redis(spec.redis_url)
+    spawned: list[Process] = []
+    try:
+        cluster = _spawn_cluster(spec, plan_ports(spec), redis_process, spawned)
+    except BaseException:  # Ctrl-C between two spawns included: nothing started may outlive us
+        _stop_popens([p.popen for p in reversed(spawned)] + ([redis_process] if redis_process else []), 5.0)
+        raise
+    try:
+        _wait_ready(cluster.processes, timeout_s, on_ready or (lambda _process: None))
+    except _NotReady as exc:
+        tails = "\n".join(f"--- {p.role} {p.address} ---\n{p.log_tail()}" for p in cluster.processes)
+        cluster.stop()
+        raise ClusterStartError(exc.process, exc.reason, tails) from None
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def _spawn_cluster(
+    spec: ClusterSpec, ports: PortPlan, redis_process: subprocess.Popen | None, spawned: list[Process]
+) -> LocalCluster:
+    """Spawn encoders, workers, then the router (each appended to `spawned` as it starts)."""
     log_dir = spec.log_dir or Path(tempfile.mkdtemp(prefix="epd-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-
-    def port(default: int) -> int:
-        return free_port() if spec.free_ports else default
-
     # services share this box's cores: split them instead of letting every process use all of them
     threads = max(1, (os.cpu_count() or 1) // (spec.encoders + spec.workers))
     base = {
@@ -162,24 +237,48 @@ def start_cluster(spec: ClusterSpec, timeout_s: float = 180.0) -> LocalCluster:
         "EPD_TORCH_THREADS": str(threads),
         **spec.env,
     }
-    metrics = iter(range(METRICS_PORT, METRICS_PORT + 1 + spec.encoders + spec.workers))
-    encoders = [
-        spawn("encoder", port(ENCODER_PORT + i), free_port() if spec.free_ports else next(metrics), base, log_dir)
-        for i in range(spec.encoders)
-    ]
-    workers = [
-        spawn("worker", port(WORKER_PORT + i), free_port() if spec.free_ports else next(metrics), base, log_dir)
-        for i in range(spec.workers)
-    ]
-    http_port = int(spec.env["EPD_HTTP_PORT"]) if "EPD_HTTP_PORT" in spec.env else port(HTTP_PORT)
-    router_env = {**base, "EPD_ENCODER_ADDRS": ",".join(p.address for p in encoders), "EPD_HTTP_PORT": str(http_port)}
-    router = spawn("router", port(ROUTER_PORT), free_port() if spec.free_ports else next(metrics), router_env, log_dir)
-    cluster = LocalCluster(router, encoders, workers, spec.redis_url, redis_process, http_port=http_port)
-    try:
-        for process in cluster.processes:
-            wait_healthy(process.address, timeout_s, alive=lambda p=process: p.popen.poll() is None)
-    except Exception as exc:
-        tails = "\n".join(f"--- {p.role} {p.address} ---\n{p.log_tail()}" for p in cluster.processes)
-        cluster.stop()
-        raise RuntimeError(f"cluster did not become healthy: {exc}\n{tails}") from exc
-    return cluster
+    metrics = iter(ports.metrics)
+
+    def start(role: str, port: int, env: dict[str, str]) -> Process:
+        spawned.append(spawn(role, port, next(metrics), env, log_dir))
+        return spawned[-1]
+
+    encoders = [start("encoder", p, base) for p in ports.encoders]
+    workers = [start("worker", p, base) for p in ports.workers]
+    encoder_addrs = ",".join(p.address for p in encoders)
+    router = start(
+        "router", ports.router, {**base, "EPD_ENCODER_ADDRS": encoder_addrs, "EPD_HTTP_PORT": str(ports.http)}
+    )
+    return LocalCluster(router, encoders, workers, spec.redis_url, redis_process, http_port=ports.http)
+
+
+def _wait_ready(processes: list[Process], timeout_s: float, on_ready: Callable[[Process], None]) -> None:
+    """Poll every service's health until all serve, reporting each once; raise _NotReady on death or timeout."""
+    pending = list(processes)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        for process in list(pending):
+            code = process.popen.poll()
+            if code is not None:
+                raise _NotReady(process, f"exited with code {code} during start-up")
+            if check(process.address, timeout_s=1.0):
+                pending.remove(process)
+                on_ready(process)
+        if pending and time.monotonic() >= deadline:
+            raise _NotReady(pending[0], f"was not healthy within {timeout_s:g}s")
+        if pending:
+            time.sleep(0.2)
+
+
+def _stop_popens(popens: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM each running one, then SIGKILL what is left after `grace_s`."""
+    for popen in popens:
+        if popen.poll() is None:
+            popen.terminate()
+    deadline = time.monotonic() + grace_s
+    for popen in popens:
+        try:
+            popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait()

@@ -1,0 +1,354 @@
+"""`epd up` and `epd demo` on this box: check, start, report each service as it becomes ready, clean up on exit.
+
+Every check (device, model folder, every port, Redis) runs before anything starts and raises a one-line
+`UserError`. A service that dies or is not healthy in time during start-up is reported in one line naming its
+log; the temporary log folder is kept then, and removed on every other exit, Ctrl-C and SIGTERM included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import shutil
+import signal
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from services.cli_errors import UserError, failure, one_line
+from services.launch import local
+from services.launch.preflight import DEVICES, check_device, check_model, check_ports, check_redis, resolve_device
+
+DEFAULT_TINY = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "epd" / "tiny-qwen2-vl"
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+PORT_FLAGS = {
+    "router": "--port",
+    "http": "--http-port",
+    "encoder": "--encoder-port",
+    "worker": "--worker-port",
+    "metrics": "--metrics-port",
+}
+PORT_NAMES = {
+    "router": "router gRPC",
+    "http": "router OpenAI HTTP",
+    "encoder": "encoder gRPC",
+    "worker": "worker gRPC",
+    "metrics": "metrics",
+}
+
+
+def add_cluster_arguments(cmd: argparse.ArgumentParser, *, ray: bool) -> None:
+    """The flags `up` and `demo` share (with `ray`, also `--ray` and `--address`)."""
+    cmd.add_argument("--model", metavar="DIR", help="model folder (default: a tiny random Qwen2-VL built offline)")
+    cmd.add_argument(
+        "--encoders",
+        type=_int_in(1, 64, "a whole number from 1 to 64"),
+        default=1,
+        help="encoder processes (default 1)",
+    )
+    cmd.add_argument(
+        "--workers", type=_int_in(1, 64, "a whole number from 1 to 64"), default=1, help="worker processes (default 1)"
+    )
+    cmd.add_argument(
+        "--device",
+        choices=DEVICES,
+        default=None,
+        help="where encoders and workers compute (default: EPD_DEVICE, else cpu)",
+    )
+    cmd.add_argument(
+        "--startup-timeout",
+        type=_seconds,
+        default=180.0,
+        metavar="SECONDS",
+        help="longest wait for every service to become healthy (default 180)",
+    )
+    _add_port(cmd, "--port", local.ROUTER_PORT, "the router's gRPC port")
+    _add_port(cmd, "--http-port", local.HTTP_PORT, "the router's OpenAI-compatible HTTP port; 0 turns it off")
+    _add_port(cmd, "--encoder-port", local.ENCODER_PORT, "first encoder's gRPC port; the next encoders count up")
+    _add_port(cmd, "--worker-port", local.WORKER_PORT, "first worker's gRPC port; the next workers count up")
+    _add_port(
+        cmd,
+        "--metrics-port",
+        local.METRICS_PORT,
+        "first Prometheus port: encoders, workers, then the router count up from it; 0 turns metrics off",
+    )
+    if ray:
+        cmd.add_argument("--ray", action="store_true", help="run the services as Ray actors")
+        cmd.add_argument("--address", help="Ray cluster address (default: start a local one)")
+
+
+def _add_port(cmd: argparse.ArgumentParser, flag: str, default: int, text: str) -> None:
+    lowest = 0 if flag in ("--http-port", "--metrics-port") else 1
+    cmd.add_argument(
+        flag,
+        type=_int_in(lowest, 65535, f"a port from {lowest} to 65535"),
+        default=default,
+        metavar="PORT",
+        help=f"{text} (default {default})",
+    )
+
+
+def _int_in(lowest: int, highest: int, wanted: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {wanted}") from None
+        if not lowest <= value <= highest:
+            raise argparse.ArgumentTypeError(f"{text} is not {wanted}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds above 0")
+    return value
+
+
+def up(args: argparse.Namespace) -> int:
+    """`epd up`: start, report, wait for Ctrl-C (or SIGTERM), stop."""
+    if args.ray:
+        return _up_ray(args)
+    with _sigterm_as_interrupt(), running_cluster(args) as cluster:
+        print(f'router (gRPC Generate) at {cluster.address}. Try: epd generate --image FILE "describe"')
+        print("Ctrl-C stops everything.", flush=True)
+        wait_for_stop_signal()
+    return 0
+
+
+def demo(args: argparse.Namespace) -> int:
+    """`epd demo`: start, send one image request and print the answer, stop."""
+    from services.cli_request import print_answer, rpc_errors
+    from services.client import Client, user_request
+
+    with _sigterm_as_interrupt(), running_cluster(args) as cluster:
+        print(f'request: one 448x336 PNG + "Describe this image." to {cluster.address}')
+        request = user_request("Describe this image.", [demo_image()], max_tokens=args.max_tokens)
+        with Client(cluster.address) as client, rpc_errors(cluster.address, 120.0):
+            return print_answer(client, request, timeout_s=120.0)
+
+
+@contextlib.contextmanager
+def running_cluster(args: argparse.Namespace) -> Iterator[local.LocalCluster]:
+    """Check, start (logs in a temporary folder), yield the healthy cluster; stop it and remove the logs after."""
+    spec = checked_spec(args)
+    with _log_folder() as log_dir:
+        spec = dataclasses.replace(spec, log_dir=log_dir)
+        print(
+            f"starting router, {spec.encoders} encoder(s), {spec.workers} worker(s) for {spec.model_dir}; "
+            f"logs in {log_dir} (removed when epd exits)",
+            flush=True,
+        )
+        cluster = _start(spec, args.startup_timeout)
+        try:
+            yield cluster
+        finally:
+            with _signals_ignored():
+                cluster.stop()
+            print("cluster stopped.", flush=True)
+
+
+def checked_spec(args: argparse.Namespace) -> local.ClusterSpec:
+    """The cluster the flags describe, after every check passed (builds the tiny model when --model is omitted)."""
+    device = resolve_device(args.device)
+    check_device(device)
+    if args.model:
+        check_model(Path(args.model))
+    spec = local.ClusterSpec(
+        Path(args.model) if args.model else DEFAULT_TINY,
+        args.encoders,
+        args.workers,
+        os.environ.get("EPD_REDIS_URL", DEFAULT_REDIS),
+        env={"EPD_DEVICE": device},
+        router_port=args.port,
+        http_port=args.http_port,
+        encoder_port=args.encoder_port,
+        worker_port=args.worker_port,
+        metrics_port=args.metrics_port,
+    )
+    check_ports(port_rows(local.plan_ports(spec)))
+    check_redis(spec.redis_url)
+    if not args.model:
+        tiny_model(DEFAULT_TINY)
+    return spec
+
+
+def port_rows(plan: local.PortPlan) -> list[tuple[str, int, str]]:
+    """`(what, port, flag)` for every port the cluster will bind."""
+    return [(PORT_NAMES[kind], port, PORT_FLAGS[kind]) for kind, port in plan.listening()]
+
+
+def tiny_model(path: Path, family: str = "qwen2-vl") -> Path:
+    """The tiny random model at `path`, built there first when missing (kept as a cache for the next run)."""
+    from services.models.tiny_model import make_tiny_model
+
+    if not (path / "config.json").exists():
+        print(f"building a tiny random {family} model in {path} ...", flush=True)
+        make_tiny_model(path, family)
+    return path
+
+
+def _start(spec: local.ClusterSpec, timeout_s: float) -> local.LocalCluster:
+    plan_http = local.plan_ports(spec).http
+    try:
+        return local.start_cluster(spec, timeout_s, on_ready=lambda p: print(ready_line(p, plan_http), flush=True))
+    except local.ClusterStartError as exc:
+        raise _start_failure(exc) from None
+    except RuntimeError as exc:  # ensure_redis: redis-server started but silent
+        raise failure(one_line(exc), "start Redis yourself, or set EPD_REDIS_URL to one that answers") from None
+
+
+def ready_line(process: local.Process, http_port: int) -> str:
+    """One line for a service that became healthy: role, address(es), metrics, log."""
+    where = process.address
+    if process.role == "router":
+        http = f"OpenAI HTTP at http://127.0.0.1:{http_port}/v1" if http_port else "OpenAI HTTP off"
+        where = f"gRPC Generate at {process.address}, {http}"
+    metrics = f"metrics http://127.0.0.1:{process.metrics_port}/metrics" if process.metrics_port else "metrics off"
+    return f"  ready: {process.role:8s} {where}  {metrics}  log {process.log_path}"
+
+
+class StartFailed(UserError):
+    """A service died or was not ready in time; its log folder is kept for the user to read."""
+
+
+def _start_failure(exc: local.ClusterStartError) -> UserError:
+    process = exc.process
+    lines = [line for line in process.log_tail(20).splitlines() if line.strip()]
+    last = one_line(lines[-1], 200) if lines else "(empty)"
+    fix = "pass a larger --startup-timeout, or fix" if "within" in exc.reason else "fix"
+    return StartFailed(
+        f"the {process.role} at {process.address} {exc.reason}; its log {process.log_path} ends: {last} "
+        f"({fix} what the log says; the log folder is kept)"
+    )
+
+
+@contextlib.contextmanager
+def _log_folder() -> Iterator[Path]:
+    """A temporary folder, removed afterwards unless start-up failed or an unexpected error happened (the logs
+    say why); such an error gets a note naming the folder."""
+    path = Path(tempfile.mkdtemp(prefix="epd-up-"))
+    keep = False
+    try:
+        yield path
+    except StartFailed:
+        keep = True
+        raise
+    except (UserError, KeyboardInterrupt):
+        raise
+    except BaseException as exc:
+        keep = True
+        exc.add_note(f"service logs kept in {path}")
+        raise
+    finally:
+        if not keep:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _up_ray(args: argparse.Namespace) -> int:
+    try:
+        from services.launch.ray_launcher import RayLaunchError, launch_on_ray
+    except ImportError:
+        raise failure("Ray is not installed", "pip install 'epd[ray]', or drop --ray") from None
+    device = resolve_device(args.device)
+    if args.address is None:  # a local Ray: this box's GPU, folder and ports
+        check_device(device)
+        if args.model:
+            check_model(Path(args.model))
+        check_ports(port_rows(local.plan_ports(_ray_port_spec(args))))
+    model = Path(args.model) if args.model else tiny_model(DEFAULT_TINY)
+    try:
+        handle = launch_on_ray(
+            model_dir=model,
+            encoders=args.encoders,
+            workers=args.workers,
+            address=args.address,
+            router_port=args.port,
+            encoder_port=args.encoder_port,
+            worker_port=args.worker_port,
+            metrics_port=args.metrics_port,
+            http_port=args.http_port,
+            ready_timeout_s=args.startup_timeout,
+            env={"EPD_DEVICE": device},
+        )
+    except RayLaunchError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise failure(f"the cluster did not start on Ray: {first}", "fix what the message says") from None
+    print(f"epd on Ray: {handle}")
+    print("Ctrl-C stops everything.", flush=True)
+    try:
+        wait_for_stop_signal()
+    finally:
+        with _signals_ignored():
+            handle.stop()
+    return 0
+
+
+def _ray_port_spec(args: argparse.Namespace) -> local.ClusterSpec:
+    return local.ClusterSpec(
+        Path("."),
+        args.encoders,
+        args.workers,
+        router_port=args.port,
+        http_port=args.http_port,
+        encoder_port=args.encoder_port,
+        worker_port=args.worker_port,
+        metrics_port=args.metrics_port,
+    )
+
+
+def wait_for_stop_signal() -> None:
+    """Block until SIGINT or SIGTERM (both handled, so neither kills us before cleanup)."""
+    stopped = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stopped.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stopped.wait(0.5):
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt (as Ctrl-C does), so start-up is unwound and cleaned up either way."""
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """While stopping: a second Ctrl-C must not cut the cleanup short (stop() SIGKILLs after its grace period)."""
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def demo_image() -> bytes:
+    """A 448x336 PNG with a yellow disc and a red box on blue."""
+    import io
+
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (448, 336), (30, 90, 160))
+    draw = ImageDraw.Draw(image)
+    draw.ellipse((60, 40, 260, 240), fill=(240, 200, 40))
+    draw.rectangle((280, 120, 420, 300), fill=(200, 40, 60))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()

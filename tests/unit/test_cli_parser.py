@@ -1,0 +1,179 @@
+"""The `epd` parser, the request it builds, the port plan and the checks `epd up` runs before starting anything."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from pathlib import Path
+
+import pytest
+
+from services.cli import _parser, main
+from services.cli_errors import FAILURE, USAGE, UserError, one_line
+from services.cli_request import build_request, read_image
+from services.cli_up import port_rows
+from services.launch.local import ClusterSpec, plan_ports
+from services.launch.preflight import check_model, check_ports, port_in_use, resolve_device
+from tests import media_factory
+
+
+def parsers(parser: argparse.ArgumentParser, path: str = "epd") -> list[tuple[str, argparse.ArgumentParser]]:
+    """`parser` and every subcommand parser below it, with the command line that reaches each."""
+    found = [(path, parser)]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += parsers(sub, f"{path} {name}")
+    return found
+
+
+def test_every_flag_and_argument_has_help() -> None:
+    missing = [
+        f"{path} {action.option_strings or action.dest}"
+        for path, parser in parsers(_parser())
+        for action in parser._actions
+        if not isinstance(action, argparse._SubParsersAction) and not (action.help or "").strip()
+    ]
+    assert missing == []
+
+
+def test_usage_errors_are_one_line_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        _parser().parse_args(["up", "--device", "gpu"])
+    assert exited.value.code == USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "invalid choice: 'gpu'" in err and "'cpu', 'cuda'" in err, err
+
+
+def test_main_turns_a_user_error_into_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["count", "--image", str(tmp_path / "none.png"), "hi"]) == USAGE
+    err = capsys.readouterr().err
+    assert err == f"epd: error: image file {tmp_path / 'none.png'} not found (give a path to an existing image)\n"
+
+
+def test_up_flags_default_to_the_documented_ports() -> None:
+    args = _parser().parse_args(["up"])
+    assert (args.port, args.http_port, args.encoder_port, args.worker_port, args.metrics_port) == (
+        50051,
+        8000,
+        50061,
+        50071,
+        9400,
+    )
+    assert args.startup_timeout == 180.0 and args.device is None
+
+
+def test_port_plan_counts_up_from_each_base() -> None:
+    plan = plan_ports(
+        ClusterSpec(
+            Path("m"),
+            encoders=2,
+            workers=2,
+            router_port=7000,
+            http_port=0,
+            encoder_port=7100,
+            worker_port=7200,
+            metrics_port=7300,
+        )
+    )
+    assert (plan.router, plan.http, plan.encoders, plan.workers) == (7000, 0, (7100, 7101), (7200, 7201))
+    assert plan.metrics == (7300, 7301, 7302, 7303, 7304)
+    rows = port_rows(plan)
+    assert ("router gRPC", 7000, "--port") in rows and ("worker gRPC", 7201, "--worker-port") in rows
+    assert all(port != 0 for _, port, _ in rows), "an endpoint that is off binds nothing"
+    assert plan_ports(ClusterSpec(Path("m"), metrics_port=0)).metrics == (0, 0, 0)
+
+
+def test_check_ports_names_the_flag_of_a_port_in_use() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert port_in_use(port)
+        with pytest.raises(UserError) as raised:
+            check_ports([("router gRPC", port, "--port")])
+    assert raised.value.exit_code == FAILURE
+    assert raised.value.message == (
+        f"port {port} (router gRPC) is already in use (stop what listens there, or pass --port with a free port)"
+    )
+    with pytest.raises(UserError) as twice:
+        check_ports([("router gRPC", 7000, "--port"), ("metrics", 7000, "--metrics-port")])
+    assert twice.value.exit_code == USAGE and "both" in twice.value.message
+
+
+def test_check_model(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="has no config.json") as raised:
+        check_model(tmp_path)
+    assert raised.value.exit_code == USAGE
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(UserError, match="cannot be used"):
+        check_model(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2_vl"}')
+    assert check_model(tmp_path) == "qwen2_vl"
+
+
+def test_device_comes_from_the_flag_then_epd_device() -> None:
+    assert resolve_device(None, {}) == "cpu"
+    assert resolve_device(None, {"EPD_DEVICE": "cuda"}) == "cuda"
+    assert resolve_device("cpu", {"EPD_DEVICE": "cuda"}) == "cpu"
+    with pytest.raises(UserError, match="EPD_DEVICE=gpu") as raised:
+        resolve_device(None, {"EPD_DEVICE": "gpu"})
+    assert raised.value.exit_code == USAGE
+
+
+def test_request_from_flags(tmp_path: Path) -> None:
+    image = tmp_path / "a.png"
+    image.write_bytes(media_factory.png(32, 32))
+    args = _parser().parse_args(
+        [
+            "generate",
+            "--system",
+            "Be brief.",
+            "--image",
+            str(image),
+            "--image-url",
+            "https://example.com/b.png",
+            "--top-p",
+            "0.9",
+            "--top-k",
+            "5",
+            "--seed",
+            "3",
+            "--stop",
+            "x",
+            "--stop",
+            "y",
+            "--cache-salt",
+            "s",
+            "--temperature",
+            "0.5",
+            "--max-tokens",
+            "9",
+            "Describe.",
+        ]
+    )
+    request = build_request(args)
+    system, user = request.messages
+    assert (system.role, system.content[0].text) == ("system", "Be brief.")
+    assert user.role == "user"
+    assert [part.WhichOneof("part") for part in user.content] == ["image", "image", "text"]
+    assert user.content[0].image.data == image.read_bytes()
+    assert user.content[1].image.url == "https://example.com/b.png" and user.content[2].text == "Describe."
+    sampling = request.sampling
+    assert (sampling.max_tokens, sampling.top_k, sampling.seed, list(sampling.stop)) == (9, 5, 3, ["x", "y"])
+    assert sampling.top_p == pytest.approx(0.9) and sampling.temperature == pytest.approx(0.5)
+    assert request.cache_salt == "s"
+
+
+def test_read_image_refuses_what_is_not_an_image(tmp_path: Path) -> None:
+    text = tmp_path / "cat.jpg"
+    text.write_text("hello")
+    for path, message in ((text, "is not an image"), (tmp_path, "is a folder"), (tmp_path / "no.png", "not found")):
+        with pytest.raises(UserError, match=message) as raised:
+            read_image(path)
+        assert raised.value.exit_code == USAGE
+
+
+def test_one_line() -> None:
+    assert one_line("a\n  b\tc\n") == "a b c"
+    assert len(one_line("x" * 1000, 50)) == 50
