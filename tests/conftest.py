@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.redis_server import RedisServer
 
 # Tests never reach a model hub: every model folder is built locally.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -28,3 +31,14 @@ def tiny_model_dir_25(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from services.models.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2.5-vl"), "qwen2.5-vl", max_pixels=TINY_TEST_MAX_PIXELS)
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    """A private redis-server per test module (stopping it disturbs nobody else)."""
+    from services.launch.local import free_port
+
+    server = RedisServer(free_port())
+    server.start()
+    yield server
+    server.stop()

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
 
 from services.launch.health import check
 from tests import media_factory
@@ -133,11 +132,3 @@ def check_json_and_flags(image: Path, env: dict[str, str]) -> None:
     assert refused.stderr.startswith("epd: error: ") and "INVALID_ARGUMENT" in refused.stderr, refused.stderr
 
 
-@pytest.fixture(scope="module")
-def redis_server() -> RedisServer:
-    from services.launch.local import free_port
-
-    server = RedisServer(free_port())
-    server.start()
-    yield server
-    server.stop()

@@ -15,15 +15,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
-import pytest
 
 from services.client import Client, user_request
 from services.launch.health import check
-from services.launch.local import free_port
 from tests import media_factory
 from tests.integration.conftest import RedisServer
 
@@ -33,12 +30,6 @@ READY_LINE = "Ctrl-C stops everything."
 SESSION = re.compile(r"session_\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_\d+_\d+")
 
 
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer(free_port())
-    server.start()
-    yield server
-    server.stop()
 
 
 def port_taken(port: int) -> bool:

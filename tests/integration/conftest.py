@@ -1,63 +1,13 @@
-"""Fixtures for tests that run the real services: a private Redis server and a started cluster."""
+"""Helpers for tests that run the real services: metric values, model folders (Redis: tests/conftest.py)."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import time
 import urllib.request
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-import redis
+from tests.redis_server import RedisServer
 
-from services.launch.local import free_port
-
-
-@dataclass
-class RedisServer:
-    """A real redis-server of the test's own, so stopping it disturbs nobody else."""
-
-    port: int
-    process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        server = shutil.which("redis-server")
-        assert server, "redis-server is required for integration tests"
-        self.process = subprocess.Popen(
-            [server, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port)
-        for _ in range(100):
-            try:
-                if client.ping():
-                    return
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError("private redis-server did not start")
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(timeout=10)
-        self.process = None
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port)
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer(free_port())
-    server.start()
-    yield server
-    server.stop()
+__all__ = ["RedisServer", "metric_value", "model_folder"]
 
 
 def metric_value(port: int, name: str) -> float:

@@ -8,8 +8,6 @@ second one (429), and a request of 8192 new tokens can never fit (400).
 from __future__ import annotations
 
 import base64
-import http.server
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -28,7 +26,7 @@ from services.common.registry import Registry
 from services.common.rpc.epd.v1 import common_pb2, generation_pb2
 from services.launch.health import wait_healthy
 from services.launch.local import ClusterSpec, LocalCluster, free_port, spawn, start_cluster
-from tests import media_factory
+from tests import loopback_http, media_factory
 from tests.integration.conftest import RedisServer
 from tests.kv_sampler import KVSampler
 
@@ -485,25 +483,9 @@ def test_cache_salt_separates_prefix_caches(api: Api) -> None:
 def test_image_url_is_fetched_like_grpc(api: Api) -> None:
     """An http(s) image URL goes through the router's safe fetcher (loopback allowed in this test cluster only)."""
     data = IMAGES[0]
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_port}/cat.png"
+    with loopback_http.serving(data) as url:
         answer = api.openai.chat.completions.create(
             model=api.model, messages=chat(PROMPT, [url]), max_tokens=MAX_TOKENS, temperature=0
         )
-    finally:
-        server.shutdown()
     expected = api.grpc.generate(user_request(PROMPT, [data], max_tokens=MAX_TOKENS))
     assert answer.choices[0].message.content == expected.text

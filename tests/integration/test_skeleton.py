@@ -20,7 +20,7 @@ from services.common.model_info import load_model_info
 from services.common.rpc.epd.v1 import common_pb2, generation_pb2, worker_pb2, worker_pb2_grpc
 from services.launch.local import ClusterSpec, LocalCluster, start_cluster
 from services.models.base import ChatMessage, ChatPart
-from tests import media_factory
+from tests import loopback_http, media_factory
 from tests.integration.conftest import RedisServer, metric_value, model_folder
 from tests.oracle import hf_generate
 
@@ -172,30 +172,11 @@ def _url_request(url: str) -> generation_pb2.GenerateRequest:
 
 def test_image_url_is_fetched(cluster: Cluster) -> None:
     """A media URL (loopback allowed for this test cluster only) gives the same answer as inline bytes."""
-    import http.server
-    import threading
-
     data = media_factory.png(120, 90, seed=21)
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with loopback_http.serving(data) as url:
         request = user_request(PROMPT, [], max_tokens=MAX_TOKENS)
-        request.messages[0].content.insert(0, generation_pb2.ContentPart(image=generation_pb2.Media(
-            url=f"http://127.0.0.1:{server.server_port}/cat.png")))
+        request.messages[0].content.insert(0, generation_pb2.ContentPart(image=generation_pb2.Media(url=url)))
         by_url = cluster.client.generate(request)
-    finally:
-        server.shutdown()
     assert by_url.token_ids == expected(cluster.model_dir, [data])
 
 
