@@ -1,4 +1,4 @@
-"""The `epd` command: serve, up, demo, generate, count, health, make-tiny-model, bench.
+"""The `epd` command: serve, up, demo, generate, count, health, make-tiny-model, bench, profile, plan.
 
 A user error prints one line, `epd: error: <problem> (<fix>)`, on stderr and exits 2 when the command line
 is wrong or 1 when something failed; an unexpected error prints one line too, or its traceback with
@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
-from services import cli_request, cli_up
+from services import cli_plan, cli_request, cli_up
 from services.cli_errors import USAGE, UserError, one_line
 from services.common import config as config_lib
 
@@ -50,7 +50,10 @@ def _health(args: argparse.Namespace) -> int:
 def _make_tiny(args: argparse.Namespace) -> int:
     from services.models.tiny_model import make_tiny_model
 
-    path = make_tiny_model(Path(args.dir), args.family, max_pixels=args.max_pixels)
+    try:
+        path = make_tiny_model(Path(args.dir), args.family, max_pixels=args.max_pixels)
+    except ValueError as exc:  # a size the family refuses (max_pixels below the minimum, or given for llava)
+        raise UserError(f"{exc} (see `epd make-tiny-model --help`)", USAGE) from None
     print(path)
     return 0
 
@@ -105,6 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     cli_request.add_request_arguments(count, sampling=False, timeout_s=30.0)
     count.set_defaults(fn=cli_request.count)
     _add_tools(sub)
+    cli_plan.add_commands(sub)
     for cmd in sub.choices.values():
         _add_debug(cmd, argparse.SUPPRESS)
     return parser
@@ -130,17 +134,20 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_tools(sub: argparse._SubParsersAction) -> None:
+    from services.models.tiny_model import TINY_FAMILIES  # no torch: the parser stays quick
+
     health = sub.add_parser("health", help="exit 0 when a service reports SERVING")
     health.add_argument("address", metavar="HOST:PORT", help="the service's gRPC address")
     health.add_argument("--service", default="", help="the health service name to ask about (default: the server)")
     health.set_defaults(fn=_health)
     tiny = sub.add_parser("make-tiny-model", help="build a tiny random model folder offline")
     tiny.add_argument("dir", help="folder to write the model into")
-    tiny.add_argument("--family", default="qwen2-vl", choices=["qwen2-vl", "qwen2.5-vl"], help="model family")
+    tiny.add_argument("--family", default="qwen2-vl", choices=TINY_FAMILIES, help="model family")
     tiny.add_argument("--max-pixels", type=int, default=None, help="image processor's max_pixels (default: its own)")
     tiny.set_defaults(fn=_make_tiny)
     bench = sub.add_parser("bench", help="benchmarks (print ratios against a same-run baseline)")
-    bench.add_argument("what", choices=["engine", "encoder", "admission"], help="what to measure")
+    benches = ["engine", "encoder", "admission", "burst", "traffic", "soak"]
+    bench.add_argument("what", choices=benches, help="what to measure")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="flags passed on to the benchmark")
     bench.set_defaults(fn=_bench)
 

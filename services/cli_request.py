@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,10 +20,12 @@ import grpc
 from services.cli_errors import failure, usage_error
 from services.common.image_bytes import sniff_format
 from services.common.rpc.epd.v1 import generation_pb2
+from services.common.video_bytes import sniff_container
 
 DEFAULT_ROUTER = "127.0.0.1:50051"
 CONNECT_TIMEOUT_S = 5.0  # a router that does not accept a connection by then is reported unreachable
 IMAGE_KINDS = "a JPEG, PNG, WebP, GIF or BMP file"
+VIDEO_KINDS = "an MP4 (or MOV) or WebM/Matroska file"
 URL_SCHEMES = ("data:", "https://", "http://")  # http: only where the router allows it (tests)
 
 
@@ -37,6 +40,13 @@ def add_request_arguments(cmd: argparse.ArgumentParser, *, sampling: bool, timeo
         metavar="URL",
         type=_media_url,
         help="image as a data: or https:// URL, fetched by the router (repeatable)",
+    )
+    cmd.add_argument(
+        "--video",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="video file to send, MP4 or WebM/Matroska, placed after the images (repeatable)",
     )
     cmd.add_argument("--system", default="", metavar="TEXT", help="system message placed before the user turn")
     cmd.add_argument(
@@ -85,6 +95,9 @@ def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
     content = request.messages[0].content
     for index, url in enumerate(args.image_url):  # after the files, before the text part
         content.insert(len(args.image) + index, generation_pb2.ContentPart(image=generation_pb2.Media(url=url)))
+    for index, path in enumerate(args.video):  # after the images, before the text part
+        video = generation_pb2.Media(data=read_video(Path(path)))
+        content.insert(len(args.image) + len(args.image_url) + index, generation_pb2.ContentPart(video=video))
     if args.system:
         system = generation_pb2.Message(role="system", content=[generation_pb2.ContentPart(text=args.system)])
         request.messages.insert(0, system)
@@ -127,17 +140,16 @@ def generate(args: argparse.Namespace) -> int:
 
 def count(args: argparse.Namespace) -> int:
     """Print the request's TokenCount, one field a line (or as JSON)."""
-    from services.client import Client
-
     request = build_request(args)
     check_reachable(args.address)
-    with Client(args.address) as client, rpc_errors(args.address, args.timeout):
+    with _client(args) as client, rpc_errors(args.address, args.timeout):
         result = client.count(request, timeout_s=args.timeout)
     if args.json:
         print(json.dumps(_message_json(result)))
     else:
         print(
-            f"text {result.text_tokens}\nimage {result.image_tokens}\nprompt {result.prompt_tokens}\n"
+            f"text {result.text_tokens}\nimage {result.image_tokens}\nvideo {result.video_tokens}\n"
+            f"prompt {result.prompt_tokens}\n"
             f"max_tokens {result.max_tokens}\nprojected {result.projected_tokens}\n"
             f"per item {list(result.tokens_per_item)}"
         )
@@ -148,7 +160,8 @@ def print_answer(client: Any, request: generation_pb2.GenerateRequest, timeout_s
     """Print the token count, the streamed text as it comes, then one summary line from the final message."""
     tokens = client.count(request, timeout_s=timeout_s)
     print(
-        f"tokens: text {tokens.text_tokens}, image {tokens.image_tokens}, prompt {tokens.prompt_tokens}, "
+        f"tokens: text {tokens.text_tokens}, image {tokens.image_tokens}, video {tokens.video_tokens}, "
+        f"prompt {tokens.prompt_tokens}, "
         f"projected {tokens.projected_tokens}"
     )
     final = None

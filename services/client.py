@@ -44,7 +44,7 @@ class Client:
     def stream(self, request: generation_pb2.GenerateRequest, timeout_s: float = 120.0,
                ) -> Iterator[generation_pb2.GenerateResponse]:
         """The response stream; it is also the call, so `.cancel()` aborts the request."""
-        return self._stub.Generate(request, timeout=timeout_s)
+        return self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
 
     def generate(self, request: generation_pb2.GenerateRequest, timeout_s: float = 120.0) -> Answer:
         answer = Answer()
@@ -58,7 +58,7 @@ class Client:
 
     def count(self, request: generation_pb2.GenerateRequest, timeout_s: float = 30.0,
               ) -> generation_pb2.TokenCount:
-        return self._stub.CountTokens(request, timeout=timeout_s)
+        return self._stub.CountTokens(request, timeout=timeout_s, metadata=self._metadata)
 
     def close(self) -> None:
         self._channel.close()

@@ -33,6 +33,14 @@ def tiny_model_dir_25(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2.5-vl"), "qwen2.5-vl", max_pixels=TINY_TEST_MAX_PIXELS)
 
 
+@pytest.fixture(scope="session")
+def tiny_llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random LLaVA-1.5 folder (CLIP 336/14: 576 tokens per image), built once per test session."""
+    from services.models.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llava"), "llava")
+
+
 @pytest.fixture(scope="module")
 def redis_server() -> Iterator[RedisServer]:
     """A private redis-server per test module (stopping it disturbs nobody else)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import struct
 import zlib
+from fractions import Fraction
 
 import numpy as np
 from PIL import Image
@@ -197,3 +198,104 @@ def truncated(data: bytes, keep: int | float = 0.5) -> bytes:
     if not 0 <= n < len(data):
         raise ValueError(f"keep={keep} does not cut a {len(data)}-byte file")
     return data[:n]
+
+
+_VIDEO_CODECS = {"mp4": "h264", "webm": "libvpx-vp9", "mkv": "libvpx"}
+
+
+def video_frames(w: int, h: int, count: int, *, seed: int = 0) -> np.ndarray:
+    """`count` RGB frames (count, h, w, 3) uint8: the `pattern` gradient drifting sideways, each frame's noise
+    seeded apart, so frames differ visibly and a wrongly sampled frame changes what a model sees."""
+    base = pattern(w + count, h, 3, seed=seed)
+    return np.stack([np.roll(base, -i, axis=1)[:, :w] for i in range(count)])
+
+
+def video(
+    w: int,
+    h: int,
+    *,
+    seconds: float = 2.0,
+    fps: int | Fraction = 15,
+    container: str = "mp4",
+    codec: str | None = None,
+    seed: int = 0,
+) -> bytes:
+    """A video of `round(seconds * fps)` `video_frames`, encoded in memory with PyAV.
+
+    `container` "mp4" (H.264; 4:4:4 chroma for odd sizes, which 4:2:0 cannot hold) or "webm" (VP9; "mkv" is
+    Matroska with VP8); `codec` overrides (e.g. "mpeg4"); `fps` may be a Fraction (30000/1001). The frames
+    are reproducible, the encoded bytes not always (libx264 and libvpx may differ run to run).
+    """
+    import av
+
+    codec = codec or _VIDEO_CODECS[container]
+    count = round(seconds * fps)
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="matroska" if container == "mkv" else container) as out:
+        stream = out.add_stream(codec, rate=fps, options={"threads": "1"} if codec in ("h264", "libx264") else {})
+        stream.width, stream.height = w, h
+        odd = w % 2 or h % 2
+        stream.pix_fmt = "yuv444p" if odd and codec in ("h264", "libx264") else "yuv420p"
+        for frame in video_frames(w, h, count, seed=seed):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def audio_only(seconds: float = 1.0, container: str = "mp4") -> bytes:
+    """A container holding one AAC (mp4) or Opus (webm) audio stream and no video."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=container) as out:
+        stream = out.add_stream("aac" if container == "mp4" else "libopus", rate=48000)
+        samples = int(seconds * 48000)
+        tone = (np.sin(np.arange(samples) * 0.05) * 0.2).astype(np.float32)[None, :]
+        for start in range(0, samples, 960):
+            frame = av.AudioFrame.from_ndarray(tone[:, start : start + 960], format="fltp", layout="mono")
+            frame.sample_rate = 48000
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def _mp4_box(data: bytes | bytearray, path: list[bytes], start: int = 0, end: int | None = None) -> int:
+    """Offset of the first box at `path` (e.g. [b"moov", b"trak", ...]) in an MP4; raises KeyError."""
+    end = len(data) if end is None else end
+    pos = start
+    while pos + 8 <= end:
+        size, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        if kind == path[0]:
+            return pos if len(path) == 1 else _mp4_box(data, path[1:], pos + 8, pos + size)
+        pos += size
+    raise KeyError(path[0])
+
+
+def mp4_declaring_frames(real: bytes, frames: int) -> bytes:
+    """An MP4 from `real` (one track) whose sample tables claim `frames` samples of 100 bytes in one chunk:
+    a few kB that make a demuxer build a `frames`-entry index, and a header whose duration lies."""
+    data = bytearray(real)
+    stbl = [b"moov", b"trak", b"mdia", b"minf", b"stbl"]
+    stsz = _mp4_box(data, [*stbl, b"stsz"])
+    data[stsz + 12 : stsz + 20] = struct.pack(">II", 100, frames)  # constant size, sample count
+    stts = _mp4_box(data, [*stbl, b"stts"])
+    data[stts + 16 : stts + 20] = struct.pack(">I", frames)  # first entry's count
+    stsc = _mp4_box(data, [*stbl, b"stsc"])
+    data[stsc + 20 : stsc + 24] = struct.pack(">I", frames)  # first entry's samples per chunk
+    return bytes(data)
+
+
+def mp4_declaring_size(real: bytes, w: int, h: int) -> bytes:
+    """An MP4 from `real` whose visual sample entry (and track header) declare `w` x `h` pixels."""
+    data = bytearray(real)
+    stsd = _mp4_box(data, [b"moov", b"trak", b"mdia", b"minf", b"stbl", b"stsd"])
+    entry = stsd + 16  # size, kind, version/flags, entry count, then the first sample entry
+    data[entry + 32 : entry + 36] = struct.pack(">HH", w, h)
+    tkhd = _mp4_box(data, [b"moov", b"trak", b"tkhd"])
+    tail = tkhd + struct.unpack(">I", data[tkhd : tkhd + 4])[0]
+    data[tail - 8 : tail] = struct.pack(">II", w << 16, h << 16)
+    return bytes(data)

@@ -2,7 +2,9 @@
 
 Built as independently of our adapter as possible: the tokenizer's chat template, the image
 processor's own output, placeholders expanded in text from `image_grid_thw // merge**2` (as
-Qwen2VLProcessor does), and `model.generate(do_sample=False)` on the full model.
+Qwen2VLProcessor does), and `model.generate(do_sample=False)` on the full model. Families whose combined
+processor builds without torchvision (`_PROCESSOR_FAMILIES`: LLaVA's LlavaProcessor) get their prompt ids
+and pixels from that processor itself, loaded from the folder.
 """
 
 from __future__ import annotations
@@ -23,6 +25,17 @@ class _Loaded:
     model: Any
     tokenizer: Any
     image_processor: Any
+
+
+_PROCESSOR_FAMILIES = ("llava",)
+"""model_types whose transformers processor (AutoProcessor) loads here: the oracle uses it whole."""
+
+
+@functools.lru_cache(maxsize=4)
+def _processor(model_dir: str) -> Any:
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(model_dir, local_files_only=True)
 
 
 @functools.lru_cache(maxsize=4)
@@ -50,6 +63,9 @@ def _generate(model_dir: Path, messages: list[ChatMessage], images: list[Image.I
     pad = loaded.tokenizer.convert_ids_to_tokens(config.image_token_id)
     conversation = [{"role": m.role, "content": [_hf_part(p) for p in m.parts]} for m in messages]
     text = loaded.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    if config.model_type in _PROCESSOR_FAMILIES:
+        folder = str(Path(model_dir).resolve())
+        return _generate_with_processor(loaded.model, folder, text, images, max_tokens, **kwargs)
     extra: dict[str, Any] = {}
     if images:
         pixels = loaded.image_processor(images=images, return_tensors="pt")
@@ -72,6 +88,16 @@ def _generate(model_dir: Path, messages: list[ChatMessage], images: list[Image.I
             **kwargs,
         )
     return out, input_ids.shape[1]
+
+
+def _generate_with_processor(
+    model: Any, model_dir: str, text: str, images: list[Image.Image], max_tokens: int, **kwargs: Any
+):
+    """`model.generate(do_sample=False)` on the ids and pixels the folder's own processor makes from `text`."""
+    encoded = _processor(model_dir)(images=images or None, text=text, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**encoded, max_new_tokens=max_tokens, do_sample=False, **kwargs)
+    return out, encoded["input_ids"].shape[1]
 
 
 def hf_generate(model_dir: Path, messages: list[ChatMessage], images: list[Image.Image], max_tokens: int) -> list[int]:

@@ -107,7 +107,7 @@ class EmbeddingCache:
         if tensor is not None:
             self._on_event("hit", "memory")
             return CacheLookup(tensor, "memory")
-        blob = self._redis_call(lambda r: r.get(self.key(mm_hash)))
+        blob = self._opened(mm_hash, self._redis_call(lambda r: r.get(self.key(mm_hash))))
         if blob:
             try:
                 tensor = unpack(blob)
@@ -130,14 +130,20 @@ class EmbeddingCache:
         if not missing:
             return found
 
-        def exists(r: redis.Redis) -> list[int]:
+        def exists(r: redis.Redis) -> list[object]:
             pipe = r.pipeline(transaction=False)
             for mm_hash in missing:
-                pipe.exists(self.key(mm_hash))
+                if self._settings.signer is None:
+                    pipe.exists(self.key(mm_hash))
+                else:  # a signed entry counts only once its tag verifies: that takes the value
+                    pipe.get(self.key(mm_hash))
             return pipe.execute()
 
-        answers = iter(self._redis_call(exists) or [0] * len(missing))
-        return [hit or bool(next(answers)) for hit in found]
+        answers = self._redis_call(exists) or [0] * len(missing)
+        if self._settings.signer is not None:
+            answers = [self._opened(h, blob) is not None for h, blob in zip(missing, answers, strict=True)]
+        found_in_redis = iter(answers)
+        return [hit or bool(next(found_in_redis)) for hit in found]
 
     def put(self, mm_hash: str, tensor: torch.Tensor) -> bool:
         """Store in both tiers; False when the item is over the per-item cap."""
@@ -147,8 +153,20 @@ class EmbeddingCache:
             return False
         self._remember(mm_hash, tensor)
         blob = pack(tensor)
+        if self._settings.signer is not None:
+            blob = self._settings.signer.sign(self.key(mm_hash), blob)
         self._redis_call(lambda r: r.set(self.key(mm_hash), blob, ex=self._settings.ttl_s))
         return True
+
+    def _opened(self, mm_hash: str, blob: object) -> bytes | None:
+        """A Redis value with its tag checked and removed (unsigned caches: as it is); None for a bad tag."""
+        if not blob or self._settings.signer is None:
+            return blob or None  # type: ignore[return-value]
+        value = self._settings.signer.open(self.key(mm_hash), bytes(blob))  # type: ignore[arg-type]
+        if value is None:
+            log.warning("embedding cache entry %s has a bad tag; treating it as a miss", mm_hash[:16])
+            self._on_event("error", "bad_tag")
+        return value
 
     def remember(self, mm_hash: str, tensor: torch.Tensor) -> None:
         """Keep `tensor` in the in-process tier only (a worker holding a pushed embedding)."""

@@ -37,8 +37,9 @@ class Member:
 class Registry:
     def __init__(self, redis_url: str, ttl_s: float = 1.0, socket_timeout_s: float = 0.25) -> None:
         self.ttl_s = ttl_s
-        self._redis = redis.Redis.from_url(redis_url, socket_timeout=socket_timeout_s,
-                                           socket_connect_timeout=socket_timeout_s)
+        self._redis = redis.Redis.from_url(
+            redis_url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
+        )
 
     @staticmethod
     def _key(role: str, address: str) -> str:
@@ -91,8 +92,15 @@ class Registry:
 class Heartbeat:
     """Publishes `state()` every `interval_s` on a background asyncio task until `stop()`."""
 
-    def __init__(self, registry: Registry, role: str, address: str, revision: str,
-                 state: Callable[[], dict[str, Any]], interval_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        role: str,
+        address: str,
+        revision: str,
+        state: Callable[[], dict[str, Any]],
+        interval_s: float = 0.2,
+    ) -> None:
         self._registry, self._role, self._address, self._revision = registry, role, address, revision
         self._state = state
         self._interval_s = interval_s

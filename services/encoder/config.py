@@ -21,42 +21,70 @@ DIST_BACKENDS = ("gloo", "nccl")
 class EncoderConfig(ServiceConfig):
     port: int = 50061
     max_encoder_tokens_per_batch: int = dataclasses.field(
-        default=16384, metadata={"help": "vision tokens per tower call"})
+        default=16384, metadata={"help": "vision tokens per tower call"}
+    )
     max_batch_wait_ms: float = dataclasses.field(default=5.0, metadata={"help": "wait to fill a batch"})
     max_image_pixels: int = dataclasses.field(default=50_000_000, metadata={"help": "pixels per image"})
+    max_video_frame_pixels: int = dataclasses.field(default=3840 * 2160, metadata={"help": "pixels per video frame"})
+    video_decode_timeout_s: float = dataclasses.field(default=30.0, metadata={"help": "decode time per video"})
+    preprocess_cache_bytes: int = dataclasses.field(
+        default=256 << 20, metadata={"help": "sampled, resized video frames kept (0: off)"}
+    )
     preprocess_workers: int = dataclasses.field(default=0, metadata={"help": "decode processes (0: cores)"})
     preprocess_queue: int = dataclasses.field(
-        default=0, metadata={"help": "items decoding or waiting to (0: 4 per worker)"})
+        default=0, metadata={"help": "items decoding or waiting to (0: 4 per worker)"}
+    )
     max_queued_encoder_tokens: int = dataclasses.field(
-        default=0, metadata={"help": "tokens admitted, not yet encoded (0: 4 batches)"})
+        default=0, metadata={"help": "tokens admitted, not yet encoded (0: 4 batches)"}
+    )
     embedding_transport: str = dataclasses.field(
-        default="grpc", metadata={"help": "push embeddings by grpc or dist (torch.distributed)"})
+        default="grpc", metadata={"help": "push embeddings by grpc or dist (torch.distributed)"}
+    )
     dist_backend: str = dataclasses.field(default="gloo", metadata={"help": "gloo (CPU) or nccl (GPU)"})
     transfer_timeout_s: float = dataclasses.field(default=30.0, metadata={"help": "per push, either transport"})
     inflight_lock_ttl_s: float = dataclasses.field(
-        default=30.0, metadata={"help": "cluster-wide encode lock per mm_hash"})
+        default=30.0, metadata={"help": "cluster-wide encode lock per mm_hash"}
+    )
     heartbeat_interval_s: float = dataclasses.field(default=0.2, metadata={"help": "registry heartbeat"})
     compute_nice: int = dataclasses.field(
-        default=10, metadata={"help": "nice increment for decode, prepare and tower (0: off)"})
+        default=10, metadata={"help": "nice increment for decode, prepare and tower (0: off)"}
+    )
 
     def validate(self) -> None:
         super().validate()
-        for name in ("max_encoder_tokens_per_batch", "max_image_pixels", "transfer_timeout_s",
-                     "inflight_lock_ttl_s", "heartbeat_interval_s"):
+        for name in (
+            "max_encoder_tokens_per_batch",
+            "max_image_pixels",
+            "transfer_timeout_s",
+            "inflight_lock_ttl_s",
+            "heartbeat_interval_s",
+            "max_video_frame_pixels",
+            "video_decode_timeout_s",
+        ):
             require_positive(name, getattr(self, name))
-        for name in ("max_batch_wait_ms", "preprocess_workers", "preprocess_queue", "max_queued_encoder_tokens",
-                     "compute_nice"):
+        for name in (
+            "max_batch_wait_ms",
+            "preprocess_workers",
+            "preprocess_queue",
+            "max_queued_encoder_tokens",
+            "compute_nice",
+            "preprocess_cache_bytes",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{env_name(name)} must be >= 0, got {getattr(self, name)}")
         if self.embedding_transport not in TRANSPORTS:
-            raise ConfigError(f"{env_name('embedding_transport')}: {self.embedding_transport!r} is not one of "
-                              f"{', '.join(TRANSPORTS)}")
+            raise ConfigError(
+                f"{env_name('embedding_transport')}: {self.embedding_transport!r} is not one of {', '.join(TRANSPORTS)}"
+            )
         if self.dist_backend not in DIST_BACKENDS:
-            raise ConfigError(f"{env_name('dist_backend')}: {self.dist_backend!r} is not one of "
-                              f"{', '.join(DIST_BACKENDS)}")
+            raise ConfigError(
+                f"{env_name('dist_backend')}: {self.dist_backend!r} is not one of {', '.join(DIST_BACKENDS)}"
+            )
         if self.preprocess_queue and self.preprocess_queue < self.workers:
-            raise ConfigError(f"{env_name('preprocess_queue')} ({self.preprocess_queue}) must be at least "
-                              f"{env_name('preprocess_workers')} ({self.workers})")
+            raise ConfigError(
+                f"{env_name('preprocess_queue')} ({self.preprocess_queue}) must be at least "
+                f"{env_name('preprocess_workers')} ({self.workers})"
+            )
 
     @property
     def workers(self) -> int:

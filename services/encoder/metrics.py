@@ -30,6 +30,7 @@ class EncoderMetrics:
     rejections: Counter
     peer_waits: Counter
     meter: Meter
+    preprocess_cache: Counter | None = None
 
     @classmethod
     def create(cls, meter: Meter) -> EncoderMetrics:
@@ -37,23 +38,35 @@ class EncoderMetrics:
             items_encoded=meter.create_counter("epd_encoder_items_encoded", description="items through the tower"),
             cache_queries=meter.create_counter("epd_embedding_cache_queries", description="cache lookups"),
             cache_hits=meter.create_counter("epd_embedding_cache_hits", description="cache hits by tier"),
-            batch_size=meter.create_histogram("epd_encoder_batch_size", description="items per tower call",
-                                              explicit_bucket_boundaries_advisory=_BATCH_ITEMS),
+            batch_size=meter.create_histogram(
+                "epd_encoder_batch_size",
+                description="items per tower call",
+                explicit_bucket_boundaries_advisory=_BATCH_ITEMS,
+            ),
             batch_tokens=meter.create_histogram("epd_encoder_batch_tokens", description="encoder tokens per call"),
-            encode_seconds=meter.create_histogram("epd_encoder_time_seconds", unit="s",
-                                                  description="seconds per tower call"),
-            preprocess_seconds=meter.create_histogram("epd_preprocess_time_seconds", unit="s",
-                                                      description="decode and resize seconds per item"),
-            transfer_bytes=meter.create_counter("epd_embedding_transfer_bytes", unit="By",
-                                                description="embedding bytes pushed, by transport"),
-            transfer_seconds=meter.create_histogram("epd_embedding_transfer_seconds", unit="s",
-                                                    description="seconds per push, by transport"),
-            transfer_fallbacks=meter.create_counter("epd_embedding_transfer_fallbacks",
-                                                    description="dist pushes retried over gRPC"),
+            encode_seconds=meter.create_histogram(
+                "epd_encoder_time_seconds", unit="s", description="seconds per tower call"
+            ),
+            preprocess_seconds=meter.create_histogram(
+                "epd_preprocess_time_seconds", unit="s", description="decode and resize seconds per item"
+            ),
+            transfer_bytes=meter.create_counter(
+                "epd_embedding_transfer_bytes", unit="By", description="embedding bytes pushed, by transport"
+            ),
+            transfer_seconds=meter.create_histogram(
+                "epd_embedding_transfer_seconds", unit="s", description="seconds per push, by transport"
+            ),
+            transfer_fallbacks=meter.create_counter(
+                "epd_embedding_transfer_fallbacks", description="dist pushes retried over gRPC"
+            ),
             rejections=meter.create_counter("epd_encoder_rejections", description="Encode refusals by reason"),
-            peer_waits=meter.create_counter("epd_encoder_peer_waits",
-                                            description="items another encoder was already encoding"),
+            peer_waits=meter.create_counter(
+                "epd_encoder_peer_waits", description="items another encoder was already encoding"
+            ),
             meter=meter,
+            preprocess_cache=meter.create_counter(
+                "epd_preprocess_cache_lookups", description="video frame-cache lookups by result (hit, miss)"
+            ),
         )
 
     def cache_event(self, kind: str, tier: str) -> None:
@@ -63,6 +76,11 @@ class EncoderMetrics:
             self.cache_hits.add(1, {"tier": tier})
         elif kind == "miss":
             self.cache_queries.add(1)
+
+    def preprocess_cache_event(self, kind: str) -> None:
+        """Adapter for PreprocessCache's `on_event` ("hit" | "miss")."""
+        if self.preprocess_cache is not None:
+            self.preprocess_cache.add(1, {"result": kind})
 
     def record_batch(self, stats: Any) -> None:
         """Adapter for the Batcher's `on_batch` (a `BatchStats`)."""
@@ -88,11 +106,11 @@ class EncoderMetrics:
             "epd_encoder_batch_queue_depth": ("batch_queue_items", "items waiting for a tower call"),
         }
         for name, (attribute, description) in gauges.items():
-            self.meter.create_observable_gauge(name, callbacks=[_reader(snapshot, attribute)],
-                                               description=description)
+            self.meter.create_observable_gauge(name, callbacks=[_reader(snapshot, attribute)], description=description)
 
 
 def _reader(snapshot: Callable[[], Any], attribute: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
     def observe(options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(getattr(snapshot(), attribute))]
+
     return observe

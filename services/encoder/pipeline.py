@@ -4,7 +4,8 @@ Per request: items whose `mm_hash` is already in flight on this encoder join tha
 are admitted together (all or none, before any I/O: a refusal is immediate). Then per item: the
 cache; else the cluster-wide lock (or wait for the encoder holding it); else decode in the
 process pool, prepare the model inputs on a thread, encode in a cross-request batch, write the
-cache, release the lock.
+cache, release the lock. Videos take `video_items` for the middle part: the router's frame plan, the
+preprocessing cache, and the tower in chunks of temporal patches.
 
 Invariants:
 - On one encoder, an `mm_hash` has at most one producing task (`_inflight`); later callers await
@@ -40,7 +41,8 @@ from services.encoder.load import Admission, Ticket
 from services.encoder.metrics import EncoderMetrics
 from services.encoder.preprocess_pool import PreprocessSettings
 from services.encoder.runner import ItemEmbedding, VisionRunner
-from services.models.base import ModelAdapter
+from services.encoder.video_items import VideoPath, encode_video, prepare_video
+from services.models.base import ModelAdapter, supports_video
 
 T = TypeVar("T")
 _PEER_POLL_S = (0.005, 0.1)  # first and longest wait between looks at another encoder's progress
@@ -71,6 +73,7 @@ class PipelineParts:
     admission: Admission
     metrics: EncoderMetrics
     settings: PreprocessSettings
+    video: VideoPath | None = None  # None: video items are refused
 
 
 class Pipeline:
@@ -135,6 +138,8 @@ class Pipeline:
             ticket.finish(slot)
 
     async def _encode(self, slot: int, index: int, item: encoder_pb2.EncodeItem, ticket: Ticket) -> ItemEmbedding:
+        if item.ref.modality == "video":
+            return await self._encode_video(slot, index, item, ticket)
         parts = self._parts
         decoded = await asyncio.wrap_future(ticket.use_slot(slot).submit(item.data, parts.settings, index=index))
         image = decoded.image()
@@ -150,6 +155,23 @@ class Pipeline:
                 index=index,
             )
         embedding: ItemEmbedding = await parts.batcher.submit(BatchItem(item.ref.mm_hash, tokens, inputs))
+        await self._off(self._io, self._cache_write, item.ref.mm_hash, embedding)
+        return embedding
+
+    async def _encode_video(self, slot: int, index: int, item: encoder_pb2.EncodeItem, ticket: Ticket) -> ItemEmbedding:
+        parts = self._parts
+        if parts.video is None or not supports_video(parts.adapter):
+            raise MediaError("this encoder's model takes no video", MediaReason.FORMAT, index=index, media="video")
+        prepared = await prepare_video(
+            parts.adapter,
+            parts.video,
+            item,
+            index,
+            lambda: ticket.use_slot(slot),
+            lambda fn, *args: self._off(self._cpu, fn, *args),
+        )
+        parts.metrics.preprocess_seconds.record(prepared.seconds)
+        embedding = await encode_video(parts.batcher, item.ref.mm_hash, prepared.inputs, item.ref.num_tokens)
         await self._off(self._io, self._cache_write, item.ref.mm_hash, embedding)
         return embedding
 

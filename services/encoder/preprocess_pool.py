@@ -10,7 +10,8 @@ the executor and is released exactly once: by the future's done callback whateve
 (result, exception, cancellation), at once when the hand-off itself fails, or by
 `PoolReservation.release` when a reserved slot goes unused.
 
-Children import only this module's dependencies (PIL, numpy, `services.common.media`, never torch).
+Children import only this module's dependencies (PIL, numpy, `services.common.media`) until their
+first video: `services.encoder.video_decode` resizes frames with torch (one thread), imported then.
 With the spawn and forkserver contexts Python also re-imports the parent's `__main__` module in
 each child, so the encoder's entry point must not import torch at module level.
 
@@ -209,8 +210,11 @@ class PreprocessPool:
 
     def _new_executor(self) -> ProcessPoolExecutor:
         return ProcessPoolExecutor(
-            max_workers=self.workers, mp_context=self._context, max_tasks_per_child=self._max_tasks_per_child,
-            initializer=lower_priority if self._nice > 0 else None, initargs=(self._nice,) if self._nice > 0 else (),
+            max_workers=self.workers,
+            mp_context=self._context,
+            max_tasks_per_child=self._max_tasks_per_child,
+            initializer=lower_priority if self._nice > 0 else None,
+            initargs=(self._nice,) if self._nice > 0 else (),
         )
 
     def _current_executor_locked(self) -> ProcessPoolExecutor:
@@ -248,13 +252,25 @@ class PoolReservation:
     def unused(self) -> int:
         return self._left
 
-    def submit(self, data: bytes, settings: PreprocessSettings, *, index: int | None = None,
-               ) -> Future[PreprocessResult]:
+    def submit(
+        self,
+        data: bytes,
+        settings: PreprocessSettings,
+        *,
+        index: int | None = None,
+    ) -> Future[PreprocessResult]:
         """Decode one image on a reserved slot (same future contract as `PreprocessPool.submit`)."""
         if self._left < 1:
             raise RuntimeError("no reserved preprocessing slot left")
         self._left -= 1
         return self._pool._submit_taken(preprocess_job, data, settings, time.monotonic(), index)
+
+    def submit_call(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Run any picklable top-level `fn(*args)` on a reserved slot (a video's decode job)."""
+        if self._left < 1:
+            raise RuntimeError("no reserved preprocessing slot left")
+        self._left -= 1
+        return self._pool._submit_taken(fn, *args)
 
     def release(self, count: int | None = None) -> None:
         """Give back `count` unused slots (all of them when None); never more than are left."""

@@ -9,7 +9,8 @@ first use (`host()`): a cache write or a gRPC push makes it, a torch.distributed
 the device tensors and needs none. `encode_inputs` and `encode` return host tensors, as before.
 
 Which attention the vision tower uses is chosen once, here, when a model is taken for encoding
-(`install_vision_attention`: varlen on CUDA where the kernel runs, transformers' per-image SDPA on the CPU).
+(`install_vision_attention`: varlen on CUDA where the kernel runs and the adapter's tower has the packed path,
+transformers' per-image SDPA on the CPU and for towers without it).
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ class VisionRunner:
         self._adapter = adapter
         self._model = model
         self._lock = threading.Lock()
-        self.attention = install_vision_attention(model, attention)
+        self.attention = install_vision_attention(model, attention, packed=adapter.packed_vision_attention)
 
     def prepare(self, image: PIL.Image.Image) -> PixelInputs:
         """The model's pixel inputs for one RGB, already oriented image."""

@@ -36,9 +36,12 @@ from services.encoder.inflight_lock import InflightLocks
 from services.encoder.load import Admission, Overloaded
 from services.encoder.metrics import EncoderMetrics
 from services.encoder.pipeline import Pipeline, PipelineParts
+from services.encoder.preprocess_cache import PreprocessCache
 from services.encoder.preprocess_pool import PreprocessPool, PreprocessSettings
 from services.encoder.push import Channels, DistPush, Pusher, PushError
 from services.encoder.runner import VisionRunner
+from services.encoder.video_items import VideoPath
+from services.models.base import ModelAdapter
 
 log = logging.getLogger(__name__)
 DEFAULT_DEADLINE_S = 120.0
@@ -184,6 +187,7 @@ async def start_encoder(config: EncoderConfig) -> RunningEncoder:
             admission,
             metrics,
             PreprocessSettings(MediaLimits(max_pixels=config.max_image_pixels)),
+            _video_path(config, info.adapter, metrics),
         ),
         cpu_threads=config.workers,
         nice=config.compute_nice,

@@ -88,11 +88,14 @@ def plan_ports(spec: ClusterSpec) -> PortPlan:
 
 @dataclass
 class Process:
+    """One service process; `popen` is replaced in place when it is started again (`respawn`)."""
+
     role: str
     address: str
     metrics_port: int
     popen: subprocess.Popen
     log_path: Path
+    env: dict[str, str] = field(default_factory=dict)  # the EPD_* settings it was started with
 
     def log_tail(self, lines: int = 40) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -161,6 +164,18 @@ def ensure_redis(url: str) -> subprocess.Popen | None:
 
 def spawn(role: str, port: int, metrics_port: int, env: dict[str, str], log_dir: Path) -> Process:
     log_path = log_dir / f"{role}-{port}.log"
+    return Process(
+        role, f"127.0.0.1:{port}", metrics_port, _popen(role, port, metrics_port, env, log_path), log_path, env
+    )
+
+
+def respawn(process: Process) -> None:
+    """Start `process`'s service again with the same role, ports and settings (its log is appended to)."""
+    port = int(process.address.rsplit(":", 1)[1])
+    process.popen = _popen(process.role, port, process.metrics_port, process.env, process.log_path)
+
+
+def _popen(role: str, port: int, metrics_port: int, env: dict[str, str], log_path: Path) -> subprocess.Popen:
     child_env = {
         **os.environ,
         **env,
@@ -169,15 +184,14 @@ def spawn(role: str, port: int, metrics_port: int, env: dict[str, str], log_dir:
         "EPD_HOST": "127.0.0.1",
         "EPD_ADVERTISE_ADDR": f"127.0.0.1:{port}",
     }
-    with open(log_path, "wb") as log:
-        popen = subprocess.Popen(
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
             [sys.executable, "-m", "services.cli", "serve", role],
             env=child_env,
             stdout=log,
             stderr=subprocess.STDOUT,
             process_group=0,
         )
-    return Process(role, f"127.0.0.1:{port}", metrics_port, popen, log_path)
 
 
 class ClusterStartError(RuntimeError):

@@ -28,17 +28,21 @@ class ImageSizeError(ValueError):
     """An image whose dimensions the model's resize rule refuses (empty, or too extreme an aspect ratio)."""
 
 
+class VideoError(ValueError):
+    """A video the model's frame sampling or resize rule refuses (too few frames, no frame rate, a bad size)."""
+
+
 @dataclass(frozen=True)
 class ChatPart:
-    """One part of a chat message: text, or a placeholder for the next media item (`kind == "image"`)."""
+    """One part of a chat message: text, or a placeholder for the next media item (`kind` "image" or "video")."""
 
-    kind: Literal["text", "image"]
+    kind: Literal["text", "image", "video"]
     text: str = ""
 
 
 @dataclass(frozen=True)
 class ChatMessage:
-    """One chat turn. Image parts are matched, in order over the whole conversation, to the prompt's items."""
+    """One chat turn. Media parts are matched, in order over the whole conversation, to the prompt's items."""
 
     role: str
     parts: list[ChatPart] = field(default_factory=list)
@@ -56,6 +60,34 @@ class ItemTokens:
     grid_thw: tuple[int, int, int]
     resized_height: int
     resized_width: int
+    modality: str = "image"
+
+
+@dataclass(frozen=True)
+class VideoTokens(ItemTokens):
+    """What one video becomes in the prompt, computed from its container header alone (no decoding).
+
+    `frame_indices` are the decoded frames (0-based, presentation order) the encoder samples, exactly these;
+    `grid_thw[0] == ceil(len(frame_indices) / temporal_patch_size)` (the last frame repeats to fill a patch).
+    `second_per_grid_t` is the seconds one temporal grid step spans, as float32 (Qwen2.5-VL scales M-RoPE
+    time by it); 0.0 when the family's positions do not use it.
+    """
+
+    frame_indices: tuple[int, ...] = ()
+    second_per_grid_t: float = 0.0
+    modality: str = "video"
+
+
+@dataclass(frozen=True)
+class VideoFramePlan:
+    """How the encoder turns a video's bytes into the model's frames, without the model: decode the frames at
+    `frame_indices` (RGB, 8 bits), resize each to `height` x `width` with torch's antialiased uint8
+    `interpolate(mode=resample)` (as transformers' torchvision video processors do). Picklable."""
+
+    frame_indices: tuple[int, ...]
+    height: int
+    width: int
+    resample: str = "bicubic"
 
 
 @dataclass(frozen=True)
@@ -97,10 +129,13 @@ class PlacedEmbedding:
 
 @dataclass(frozen=True)
 class PlacedItem:
-    """A media item's first placeholder index in the prompt and its vision grid (for positions)."""
+    """A media item's first placeholder index in the prompt and its vision grid (for positions); videos also
+    carry `VideoTokens.second_per_grid_t`."""
 
     offset: int
     grid_thw: tuple[int, int, int]
+    modality: str = "image"
+    second_per_grid_t: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -129,6 +164,9 @@ class ModelAdapter(Protocol):
     max_context: int
     hidden_size: int
     tokenizer: Any
+    packed_vision_attention: bool
+    """True when the vision tower takes transformers' packed varlen attention path over a whole batch (Qwen2-VL's
+    towers); the encoder routes the tower to `epd_flash_varlen_vision` only then (vision_attention.py)."""
 
     def processor_settings(self) -> dict[str, Any]: ...
 
@@ -157,3 +195,42 @@ class ModelAdapter(Protocol):
     ) -> torch.Tensor: ...
 
     def compute_logits(self, model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class VideoAdapter(Protocol):
+    """What a family that takes video adds to `ModelAdapter` (the router refuses video for any other).
+
+    Code that places media asks `placeholder_token_id(adapter, modality)` (below), which also serves the
+    image-only families through their `image_token_id`.
+
+    `video_tokens` counts from the container header alone (router); `video_frame_plan` says which frames
+    to decode and their size (encoder, before decoding); `preprocess_video` turns those frames into pixel
+    inputs `encode` takes like an image's (normalise, patchify).
+    """
+
+    def placeholder_token_id(self, modality: str) -> int:
+        """The token an item of `modality` ("image", "video") fills in a prompt; ValueError for another."""
+        ...
+
+    def video_tokens(self, width: int, height: int, total_frames: int, fps: float) -> VideoTokens: ...
+
+    def video_frame_plan(self, grid_thw: tuple[int, int, int], frame_indices: tuple[int, ...]) -> VideoFramePlan: ...
+
+    def preprocess_video(self, frames: Any, grid_thw: tuple[int, int, int]) -> PixelInputs: ...
+
+
+def supports_video(adapter: Any) -> bool:
+    """Whether `adapter`'s family takes video input (implements `VideoAdapter`)."""
+    return isinstance(adapter, VideoAdapter)
+
+
+def placeholder_token_id(adapter: Any, modality: str) -> int:
+    """The placeholder token of `modality` through the adapter (`VideoAdapter.placeholder_token_id`); an
+    adapter without that method takes images only, whose placeholder is its `image_token_id`."""
+    method = getattr(adapter, "placeholder_token_id", None)
+    if method is not None:
+        return int(method(modality))
+    if modality != "image":
+        raise ValueError(f"{adapter.model_type} takes no {modality} input")
+    return int(adapter.image_token_id)

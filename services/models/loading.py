@@ -61,6 +61,23 @@ def load_folder_parts(model_dir: Path) -> FolderParts:
     )
 
 
+def read_video_processor_dict(model_dir: Path) -> dict[str, Any]:
+    """The folder's saved video processor settings, found as transformers' video processors find them:
+    processor_config.json's "video_processor", else video_preprocessor_config.json, else the image
+    processor's preprocessor_config.json (older folders have only that); {} when none exists."""
+    model_dir = Path(model_dir)
+    nested = model_dir / "processor_config.json"
+    if nested.is_file():
+        found = json.loads(nested.read_text(encoding="utf-8")).get("video_processor")
+        if isinstance(found, dict):
+            return found
+    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+        path = model_dir / name
+        if path.is_file():
+            return json.loads(path.read_text(encoding="utf-8"))
+    return {}
+
+
 def _id_list(value: int | list[int] | None) -> list[int]:
     if value is None:
         return []

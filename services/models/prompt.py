@@ -52,3 +52,36 @@ def expand_placeholders(token_ids: list[int], placeholder_id: int, items: list[I
     out.extend(token_ids[start:])
     media = sum(span.length for span in spans)
     return BuiltPrompt(token_ids=out, spans=spans, text_tokens=len(out) - media, media_tokens=media)
+
+
+def media_parts(messages: list[ChatMessage]) -> list[str]:
+    """The kinds ("image", "video") of the media parts over the whole conversation, in order."""
+    return [part.kind for message in messages for part in message.parts if part.kind != "text"]
+
+
+def expand_media_placeholders(
+    token_ids: list[int], placeholders: dict[str, int], items: list[ItemTokens]
+) -> BuiltPrompt:
+    """`expand_placeholders` for prompts mixing modalities: the i-th placeholder (of any id in `placeholders`,
+    modality -> token id) becomes `items[i].num_tokens` copies of itself, and must be of `items[i].modality`.
+
+    Raises PromptError when the placeholders and the items disagree in number or modality.
+    """
+    kinds = {token: modality for modality, token in placeholders.items()}
+    at = [index for index, token in enumerate(token_ids) if token in kinds]
+    if len(at) != len(items):
+        raise PromptError(f"the prompt has {len(at)} media placeholders but {len(items)} items were given")
+    out: list[int] = []
+    spans: list[MediaSpan] = []
+    start = 0
+    for index, (position, item) in enumerate(zip(at, items, strict=True)):
+        token = token_ids[position]
+        if kinds[token] != item.modality:
+            raise PromptError(f"media item {index} is a {item.modality} but its placeholder is a {kinds[token]}'s")
+        out.extend(token_ids[start:position])
+        spans.append(MediaSpan(offset=len(out), length=item.num_tokens))
+        out.extend([token] * item.num_tokens)
+        start = position + 1
+    out.extend(token_ids[start:])
+    media = sum(span.length for span in spans)
+    return BuiltPrompt(token_ids=out, spans=spans, text_tokens=len(out) - media, media_tokens=media)

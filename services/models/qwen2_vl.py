@@ -3,7 +3,8 @@
 Both families share the image processor (Qwen2VLImageProcessor), the chat template conventions
 (`<|vision_start|><|image_pad|><|vision_end|>` per image), the M-RoPE rule for images and the module
 layout `model.model.{visual, language_model}` + `model.lm_head`; Qwen2.5-VL only differs inside the
-vision tower (window attention), whose inputs `qwen2_vl_vision.plan_vision` computes on the host.
+vision tower (window attention), whose inputs `qwen2_vl_vision.plan_vision` computes on the host, and in
+the time axis of video positions (`tokens_per_second`). Video rules: `qwen2_vl_video` (the mixin).
 """
 
 from __future__ import annotations
@@ -25,9 +26,15 @@ from services.models.base import (
     Positions,
     PromptError,
 )
-from services.models.loading import load_folder_parts
-from services.models.prompt import check_no_special_text, count_image_parts, expand_placeholders
+from services.models.loading import load_folder_parts, read_video_processor_dict
+from services.models.prompt import (
+    check_no_special_text,
+    expand_media_placeholders,
+    expand_placeholders,
+    media_parts,
+)
 from services.models.qwen2_vl_resize import smart_resize
+from services.models.qwen2_vl_video import Qwen2VLVideoMixin, VideoSettings
 from services.models.qwen2_vl_vision import plan_vision, planning_available, run_vision_tower
 
 if TYPE_CHECKING:  # PIL only for annotations: the worker's model side runs without it
@@ -37,15 +44,18 @@ if TYPE_CHECKING:  # PIL only for annotations: the worker's model side runs with
 log = logging.getLogger(__name__)
 
 
-class Qwen2VLAdapter:
+class Qwen2VLAdapter(Qwen2VLVideoMixin):
     """Adapter for one Qwen2-VL / Qwen2.5-VL model folder.
 
     Holds config, tokenizer and image processor (never the weights: `load_model` returns them to the
     caller, who passes the model back into the compute methods). Stateless between calls (but for turning
     off vision planning for good when the tower refuses it), so one instance may serve many threads.
     Invariant: `image_tokens(w, h)` equals the token count the saved image processor produces for a w x h
-    image.
+    image, and `video_tokens(...)` the one its video processor produces from the sampled frames.
     """
+
+    packed_vision_attention = True
+    """Both towers take transformers' packed varlen path when their attention name contains "flash"."""
 
     def __init__(
         self, model_dir: Path | None, config: Any, tokenizer: Any | None, image_processor: Any | None, eos: list[int]
@@ -63,6 +73,9 @@ class Qwen2VLAdapter:
         self.patch_size: int = int(vision.patch_size)
         self.merge_size: int = int(vision.spatial_merge_size)
         self.temporal_patch_size: int = int(vision.temporal_patch_size)
+        self.video_token_id: int = int(config.video_token_id)
+        self.tokens_per_second: float | None = getattr(vision, "tokens_per_second", None)  # Qwen2.5-VL only
+        self.video_settings = self._read_video_settings()
         self._special_tokens: list[str] = []
         self._vision_planning = planning_available()  # turned off for good if the tower refuses the plan
         if image_processor is not None:
@@ -87,7 +100,7 @@ class Qwen2VLAdapter:
     # ----- accounting (router) -----
 
     def processor_settings(self) -> dict[str, Any]:
-        """Canonical JSON-able dict of every image processor setting that changes its output."""
+        """Canonical JSON-able dict of every image and video processor setting that changes their output."""
         ip = self.image_processor
         return {
             "image_processor_type": type(ip).__name__.removesuffix("Pil"),
@@ -104,17 +117,25 @@ class Qwen2VLAdapter:
             "patch_size": int(ip.patch_size),
             "temporal_patch_size": int(ip.temporal_patch_size),
             "merge_size": int(ip.merge_size),
+            "video": None if self.video_settings is None else self.video_settings.as_json(),
         }
 
     def image_tokens(self, width: int, height: int) -> ItemTokens:
         """Tokens, vision grid and resized size of a width x height image, without running the processor."""
-        size = self.image_processor.size
+        return self._image_tokens(width, height, int(self.image_processor.size.longest_edge))
+
+    def image_tokens_uncapped(self, width: int, height: int) -> ItemTokens:
+        """`image_tokens` with the processor's max_pixels lifted (min_pixels kept): the image at full resolution
+        (capacity planning shows what the cap saves)."""
+        return self._image_tokens(width, height, 1 << 62)
+
+    def _image_tokens(self, width: int, height: int, max_pixels: int) -> ItemTokens:
         resized_h, resized_w = smart_resize(
             height,
             width,
             factor=self.patch_size * self.merge_size,
-            min_pixels=int(size.shortest_edge),
-            max_pixels=int(size.longest_edge),
+            min_pixels=int(self.image_processor.size.shortest_edge),
+            max_pixels=max_pixels,
         )
         grid = (1, resized_h // self.patch_size, resized_w // self.patch_size)
         return ItemTokens(
@@ -125,21 +146,27 @@ class Qwen2VLAdapter:
         )
 
     def build_prompt(self, messages: list[ChatMessage], items: list[ItemTokens]) -> BuiltPrompt:
-        """Render the chat template (with the generation prompt), expand image placeholders, tokenize.
+        """Render the chat template (with the generation prompt), expand image and video placeholders, tokenize.
 
-        Raises PromptError when user text holds a special token, or image parts and items disagree.
+        Raises PromptError when user text holds a special token, or media parts and items disagree.
         """
         if not messages:
             raise PromptError("a prompt needs at least one message")
         check_no_special_text(messages, self._special_tokens)
-        images = count_image_parts(messages)
-        if images != len(items):
-            raise PromptError(f"the messages hold {images} image parts but {len(items)} items were given")
+        kinds = media_parts(messages)
+        if kinds != [item.modality for item in items]:
+            held = f"{kinds.count('image')} image parts" + (
+                f", {kinds.count('video')} video" if "video" in kinds else ""
+            )
+            raise PromptError(
+                f"the messages hold {held} but {len(items)} items were given (in order, of kinds "
+                f"{[item.modality for item in items]})"
+            )
         conversation = [
             {
                 "role": message.role,
                 "content": [
-                    {"type": "image"} if part.kind == "image" else {"type": "text", "text": part.text}
+                    {"type": "text", "text": part.text} if part.kind == "text" else {"type": part.kind}
                     for part in message.parts
                 ],
             }
@@ -148,7 +175,10 @@ class Qwen2VLAdapter:
         text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         # the Rust tokenizer itself: the Python wrapper's call adds ~100 us per prompt and the same ids
         ids = self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
-        return expand_placeholders(ids, self.image_token_id, items)
+        if "video" not in kinds:  # the common case, scanned in C
+            return expand_placeholders(ids, self.image_token_id, items)
+        placeholders = {"image": self.image_token_id, "video": self.video_token_id}
+        return expand_media_placeholders(ids, placeholders, items)
 
     # ----- vision (encoder) -----
 
@@ -237,18 +267,20 @@ class Qwen2VLAdapter:
         """M-RoPE positions `[3, L]` of a whole prompt (the same numbers `generate` uses).
 
         A pure computation (see `mrope`); `model`, when given, only chooses the device of the result.
-        Raises ValueError when items are out of order, overlap, do not cover exactly the image tokens.
+        Raises ValueError when items are out of order, overlap, do not cover exactly the media tokens.
         """
-        covered = 0
+        covered = {"image": 0, "video": 0}
         for index, item in enumerate(items):
             length = mrope.item_length(item.grid_thw, self.merge_size)
             span = token_ids[item.offset : item.offset + length]
-            if len(span) != length or any(tok != self.image_token_id for tok in span):
-                raise ValueError(f"item {index} at offset {item.offset} does not cover {length} image tokens")
-            covered += length
-        if token_ids.count(self.image_token_id) != covered:
-            raise ValueError("the prompt holds image tokens that no item covers")
-        positions = mrope.mrope_positions(len(token_ids), items, self.merge_size)
+            token = self.placeholder_token_id(item.modality)
+            if len(span) != length or any(tok != token for tok in span):
+                raise ValueError(f"item {index} at offset {item.offset} does not cover {length} {item.modality} tokens")
+            covered[item.modality] += length
+        for modality, count in covered.items():
+            if token_ids.count(self.placeholder_token_id(modality)) != count:
+                raise ValueError(f"the prompt holds {modality} tokens that no item covers")
+        positions = mrope.mrope_positions(len(token_ids), items, self.merge_size, self.tokens_per_second)
         if model is None:
             return positions
         device = next(model.parameters()).device
@@ -274,6 +306,17 @@ class Qwen2VLAdapter:
     def compute_logits(self, model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits for hidden states (`[..., H]` to `[..., vocab]`) through `lm_head`."""
         return model.lm_head(hidden)
+
+    def _read_video_settings(self) -> VideoSettings | None:
+        """The folder's video settings; None without a folder, or (logged: videos are then refused) when they
+        ask for something the video rule does not implement. Images never depend on them."""
+        if self.model_dir is None:
+            return None
+        try:
+            return VideoSettings.from_dict(read_video_processor_dict(self.model_dir))
+        except ValueError as exc:
+            log.warning("%s: video input off: %s", self.model_dir, exc)
+            return None
 
     def _check_processor_matches_model(self) -> None:
         ip = self.image_processor

@@ -10,12 +10,14 @@ import hashlib
 from pathlib import Path
 
 from services.models.base import ModelAdapter
+from services.models.llava import LlavaAdapter
 from services.models.loading import read_model_type
 from services.models.qwen2_vl import Qwen2VLAdapter
 
-ADAPTERS: dict[str, type[Qwen2VLAdapter]] = {
+ADAPTERS: dict[str, type[Qwen2VLAdapter] | type[LlavaAdapter]] = {
     "qwen2_vl": Qwen2VLAdapter,
     "qwen2_5_vl": Qwen2VLAdapter,
+    "llava": LlavaAdapter,
 }
 
 _EDGE_BYTES = 1 << 20

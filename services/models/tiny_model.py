@@ -1,8 +1,9 @@
-"""Build a tiny random Qwen2-VL / Qwen2.5-VL model folder offline and deterministically.
+"""Build a tiny random Qwen2-VL / Qwen2.5-VL / LLaVA-1.5 model folder offline and deterministically.
 
 The folder has the same files as a real checkpoint (config.json, model.safetensors, tokenizer.json,
-tokenizer_config.json with the chat template, preprocessor_config.json, generation_config.json) and
-loads with `AutoConfig`, `AutoTokenizer`, `AutoImageProcessor` and `AutoModelForImageTextToText`.
+tokenizer_config.json with the chat template, preprocessor_config.json, generation_config.json; LLaVA also
+processor_config.json) and loads with `AutoConfig`, `AutoTokenizer`, `AutoImageProcessor` and
+`AutoModelForImageTextToText`. The LLaVA parts live in `tiny_llava` and `tiny_llama_tokenizer`.
 Invariants: the model's vocabulary equals `len(tokenizer)`; the same arguments give byte-identical
 files on every run (fixed corpus, seeded torch generator, sorted JSON).
 """
@@ -14,9 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import save_file
-
+from services.models import tiny_llava
+from services.models.tiny_llama_tokenizer import save_llama_tokenizer
 from services.models.tiny_tokenizer import TinyTokenizerInfo, save_tokenizer
 
 DEFAULT_MIN_PIXELS = 56 * 56
@@ -37,6 +37,7 @@ class _Family:
 _FAMILIES: dict[str, _Family] = {
     "qwen2-vl": _Family("qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "qwen2.5-vl": _Family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "llava": _Family("llava", "LlavaForConditionalGeneration"),
 }
 
 TINY_FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
@@ -45,9 +46,10 @@ TINY_FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
 def make_tiny_model(
     out_dir: Path, family: str, max_pixels: int | None = None, seed: int = 0, text_width: int = 64, text_layers: int = 2
 ) -> Path:
-    """Write a tiny random model folder for `family` ("qwen2-vl" or "qwen2.5-vl") into `out_dir`.
+    """Write a tiny random model folder for `family` ("qwen2-vl", "qwen2.5-vl" or "llava") into `out_dir`.
 
-    `max_pixels` caps the image processor's resize (default 1280*28*28, as the released models);
+    `max_pixels` caps the Qwen image processor's resize (default 1280*28*28, as the released models; LLaVA's
+    processor always crops to 336x336, so it takes none);
     `seed` selects the random weights. `text_width` (hidden size, a multiple of 64; the MLP is twice
     as wide and there are 4 query and 2 KV heads) and `text_layers` size the language model: the
     defaults make a step cost little more than Python's overhead; a wider, deeper one makes decoding
@@ -57,6 +59,8 @@ def make_tiny_model(
     spec = _FAMILIES.get(family)
     if spec is None:
         raise ValueError(f"unknown tiny model family {family!r}; choose one of {', '.join(TINY_FAMILIES)}")
+    if spec.model_type == "llava" and max_pixels is not None:
+        raise ValueError("max_pixels applies to the Qwen2-VL families; LLaVA-1.5 always crops to 336x336")
     cap = DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
     if cap < DEFAULT_MIN_PIXELS:
         raise ValueError(f"max_pixels must be at least {DEFAULT_MIN_PIXELS}, got {cap}")
@@ -66,11 +70,21 @@ def make_tiny_model(
         )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if spec.model_type == "llava":
+        info = save_llama_tokenizer(out_dir, _VOCAB_TARGET, tiny_llava.MAX_POSITIONS)
+        config = tiny_config(family, info, text_width, text_layers)
+        _write_json(out_dir / "config.json", config)
+        _write_json(out_dir / "generation_config.json", tiny_llava.llava_generation_config(info))
+        _write_json(out_dir / "preprocessor_config.json", tiny_llava.llava_preprocessor_config())
+        _write_json(out_dir / "processor_config.json", tiny_llava.llava_processor_config())
+        _write_weights(out_dir, config, seed)
+        return out_dir
     info = save_tokenizer(out_dir, _VOCAB_TARGET, _MAX_POSITIONS)
     config = tiny_config(family, info, text_width, text_layers)
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", _generation_config(info))
     _write_json(out_dir / "preprocessor_config.json", _preprocessor_config(cap))
+    _write_json(out_dir / "video_preprocessor_config.json", _video_preprocessor_config())
     _write_weights(out_dir, config, seed)
     return out_dir
 
@@ -81,6 +95,8 @@ def tiny_config(family: str, info: TinyTokenizerInfo, width: int = 64, layers: i
     spec = _FAMILIES.get(family)
     if spec is None:
         raise ValueError(f"unknown tiny model family {family!r}; choose one of {', '.join(TINY_FAMILIES)}")
+    if spec.model_type == "llava":
+        return tiny_llava.llava_config(info, width, layers, _INIT_RANGE)
     ids = info.special_ids
     scale = width // 64  # head_dim is 16 x scale
     text = {
@@ -175,8 +191,27 @@ def _preprocessor_config(max_pixels: int) -> dict[str, Any]:
     }
 
 
+def _video_preprocessor_config() -> dict[str, Any]:
+    """Qwen2VLVideoProcessor with qwen-vl-utils' numbers: 2 fps, 4..768 frames, 128..768 tokens' worth of pixels
+    per frame, and the whole video within 24576 tokens' worth (x 0.9) through the per-frame cap."""
+    image = {key: value for key, value in _preprocessor_config(768 * 28 * 28).items() if key != "image_processor_type"}
+    return {
+        **image,
+        "video_processor_type": "Qwen2VLVideoProcessor",
+        "size": {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28},
+        "do_sample_frames": True,
+        "fps": 2.0,
+        "min_frames": 4,
+        "max_frames": 768,
+        "cap_pixels_per_frame": True,
+        "max_video_tokens": 24576,
+    }
+
+
 def _write_weights(out_dir: Path, config: dict[str, Any], seed: int) -> None:
     """Instantiate the model under a seeded generator and save its weights as one safetensors file."""
+    import torch  # here, not at the top: `epd`'s argument parser reads TINY_FAMILIES without loading torch
+    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     hf_config = AutoConfig.from_pretrained(out_dir)

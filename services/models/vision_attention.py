@@ -19,6 +19,8 @@ by `install_vision_attention`; it is not saved with the config.
 (exact on the CPU: a batch equals its items alone bit for bit); ``varlen`` forces it (CPU tests use the
 reference); ``sdpa`` keeps transformers' own path. Only the vision sub-config is routed, so it composes
 with the worker's `install_paged_attention` (text sub-config only) on the same model, in either order.
+A tower without the packed path (LLaVA's CLIP: the adapter's `packed_vision_attention` is False) always keeps
+transformers' attention: ``auto`` is ``sdpa`` there and ``varlen`` is refused.
 """
 
 from __future__ import annotations
@@ -80,29 +82,37 @@ def _int32(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
 
 
-def choose_mode(mode: str, device: torch.device, dtype: torch.dtype) -> str:
+def choose_mode(mode: str, device: torch.device, dtype: torch.dtype, packed: bool = True) -> str:
     """The path `mode` stands for on `device`/`dtype`: ``varlen`` or ``sdpa`` (``auto`` resolved).
 
-    Raises ValueError for an unknown mode.
+    ``packed`` says whether the tower has transformers' packed path at all (the adapter's
+    `packed_vision_attention`); without it ``auto`` is ``sdpa``. Raises ValueError for an unknown mode, and
+    for ``varlen`` on a tower without the packed path.
     """
     if mode not in MODES:
         raise ValueError(f"vision attention mode {mode!r}; use one of {', '.join(MODES)}")
+    if not packed:
+        if mode == "varlen":
+            raise ValueError("this model's vision tower has no packed varlen attention path; use auto or sdpa")
+        return "sdpa"
     if mode == "auto":
         return "varlen" if flash_supports(device, dtype, paged=False) else "sdpa"
     return mode
 
 
-def install_vision_attention(model: torch.nn.Module, mode: str = "auto") -> str:
+def install_vision_attention(model: torch.nn.Module, mode: str = "auto", packed: bool = True) -> str:
     """Route the model's vision sub-config (only) to the path `mode` chooses; returns ``varlen`` or ``sdpa``.
 
     The other sub-configs keep their current implementation (a paged text attention installed before or
     after stays). ``sdpa`` undoes an earlier varlen install and otherwise leaves transformers' choice.
+    ``packed`` is the adapter's `packed_vision_attention`: a tower without the packed path (LLaVA's CLIP)
+    always keeps transformers' attention (see `choose_mode`).
     """
     vision = getattr(model.config, VISION_KEY, None)
     if vision is None:
         raise ValueError(f"{type(model).__name__} has no {VISION_KEY}: not a vision-language model")
     param = next(model.parameters())
-    chosen = choose_mode(mode, param.device, param.dtype)
+    chosen = choose_mode(mode, param.device, param.dtype, packed)
     if chosen == "varlen":
         AttentionInterface.register(ATTENTION_NAME, varlen_vision_attention)
         model.set_attn_implementation({VISION_KEY: ATTENTION_NAME})

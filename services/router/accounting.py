@@ -2,19 +2,22 @@
 
 `projected_tokens = prompt_tokens + n x max_tokens` (n choices); the router admits against it and
 returns it from CountTokens. Token counts come from the model's own resize rule (the adapter), the
-same numbers its processor would produce.
+same numbers its processor would produce; a video's from its header, through the frames the model's
+sampling takes, which travel with the item (`MediaRef.frame_indices`) so the encoder decodes exactly
+those.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from services.common.hashing import mm_hash
 from services.common.model_info import ModelInfo
 from services.common.rpc.epd.v1 import common_pb2, generation_pb2
-from services.models.base import ImageSizeError, PromptError
+from services.models.base import ImageSizeError, ItemTokens, PromptError, VideoError, VideoTokens
 from services.router.errors import invalid
-from services.router.intake import Intake
+from services.router.intake import Intake, MediaItem
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,7 @@ class Accounted:
     image_tokens: int
     max_tokens: int
     n: int = 1
+    video_tokens: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -40,6 +44,7 @@ class Accounted:
             prompt_tokens=self.prompt_tokens,
             text_tokens=self.text_tokens,
             image_tokens=self.image_tokens,
+            video_tokens=self.video_tokens,
             max_tokens=self.max_tokens,
             projected_tokens=self.projected_tokens,
             tokens_per_item=[ref.num_tokens for ref in self.refs],
@@ -50,10 +55,7 @@ def account(info: ModelInfo, intake: Intake, max_tokens: int, n: int = 1) -> Acc
     """Build the prompt and its media refs; INVALID_ARGUMENT if it cannot fit the model's context (each of
     the ``n`` choices holds the prompt and its own ``max_tokens``)."""
     adapter = info.adapter
-    try:
-        geometry = [adapter.image_tokens(item.header.width, item.header.height) for item in intake.items]
-    except ImageSizeError as exc:
-        raise invalid(str(exc)) from exc
+    geometry = [_item_tokens(adapter, item) for item in intake.items]
     try:
         prompt = adapter.build_prompt(intake.messages, geometry)
     except PromptError as exc:
@@ -66,20 +68,35 @@ def account(info: ModelInfo, intake: Intake, max_tokens: int, n: int = 1) -> Acc
         )
     refs = [
         common_pb2.MediaRef(
-            mm_hash=mm_hash(info.identity, "image", item.data),
-            modality="image",
+            mm_hash=mm_hash(info.identity, item.modality, item.data),
+            modality=item.modality,
             offset=span.offset,
             num_tokens=span.length,
             grid_thw=list(tokens.grid_thw),
+            second_per_grid_t=getattr(tokens, "second_per_grid_t", 0.0),
+            frame_indices=list(getattr(tokens, "frame_indices", ())),
         )
         for item, span, tokens in zip(intake.items, prompt.spans, geometry, strict=True)
     ]
+    video = sum(ref.num_tokens for ref in refs if ref.modality == "video")
     return Accounted(
         prompt.token_ids,
         refs,
         [item.data for item in intake.items],
         prompt.text_tokens,
-        prompt.media_tokens,
+        prompt.media_tokens - video,
         max_tokens,
         max(n, 1),
+        video,
     )
+
+
+def _item_tokens(adapter: Any, item: MediaItem) -> ItemTokens | VideoTokens:
+    """The item's tokens by the model's rules; INVALID_ARGUMENT (naming the item) when they refuse it."""
+    header = item.header
+    try:
+        if item.modality == "video":
+            return adapter.video_tokens(header.width, header.height, header.frames, header.fps)
+        return adapter.image_tokens(header.width, header.height)
+    except (ImageSizeError, VideoError) as exc:
+        raise invalid(f"{item.modality} {item.index}: {exc}" if item.modality == "video" else str(exc)) from exc

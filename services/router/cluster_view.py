@@ -57,6 +57,8 @@ class ClusterView:
         self._workers: list[Member] = []
         self._encoders: list[Member] = []
         self._pending: list[_Pending] = []
+        self._absent: dict[str, float] = {}  # worker -> seconds missing from answered refreshes, in a row
+        self._answered_at: float | None = None  # the previous refresh's time, when Redis answered it
         self._task: asyncio.Task | None = None
         self.changed = asyncio.Event()
 

@@ -18,6 +18,10 @@ class RouterConfig(ServiceConfig):
     max_item_bytes: int = dataclasses.field(default=20 << 20, metadata={"help": "bytes per media item"})
     max_request_bytes: int = dataclasses.field(default=64 << 20, metadata={"help": "media bytes per request"})
     max_image_pixels: int = dataclasses.field(default=50_000_000, metadata={"help": "pixels per image"})
+    max_videos_per_prompt: int = dataclasses.field(default=1, metadata={"help": "videos per request"})
+    max_video_seconds: float = dataclasses.field(default=600.0, metadata={"help": "seconds per video (header)"})
+    max_video_frames: int = dataclasses.field(default=36_000, metadata={"help": "frames a video may hold (header)"})
+    max_video_frame_pixels: int = dataclasses.field(default=3840 * 2160, metadata={"help": "pixels per video frame"})
     default_max_tokens: int = dataclasses.field(default=256, metadata={"help": "when a request sets none"})
     max_tokens_cap: int = dataclasses.field(default=8192, metadata={"help": "largest max_tokens accepted"})
     max_projected_tokens: int = dataclasses.field(default=131072, metadata={"help": "prompt + n x max_tokens cap"})
@@ -47,6 +51,10 @@ class RouterConfig(ServiceConfig):
             "max_item_bytes",
             "max_request_bytes",
             "max_image_pixels",
+            "max_videos_per_prompt",
+            "max_video_seconds",
+            "max_video_frames",
+            "max_video_frame_pixels",
             "default_max_tokens",
             "request_timeout_s",
             "encode_timeout_s",

@@ -1,16 +1,18 @@
 """Turning a GenerateRequest's messages into chat parts and media items, within limits.
 
-Runs before any work is spent on the request. Only image headers are read (format, size,
-frames, orientation); pixels are never decoded here. Every refusal is an INVALID_ARGUMENT
-naming the message and part at fault.
+Runs before any work is spent on the request. Only headers are read: an image's format, size, frames
+and orientation; a video's container, codec, size, frame count and rate; pixels and frames are never
+decoded here. Every refusal is an INVALID_ARGUMENT naming the message and part at fault.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common.media import ImageHeader, MediaError, MediaLimits, MediaReason, decode_data_url, probe_image
+from services.common.media_types import VideoHeader, VideoLimits
 from services.common.rpc.epd.v1 import generation_pb2
+from services.common.video import probe_video
 from services.models.base import ChatMessage, ChatPart
 from services.router.errors import invalid, too_large
 
@@ -23,15 +25,19 @@ class IntakeLimits:
     max_item_bytes: int
     max_request_bytes: int
     media: MediaLimits
+    max_videos_per_prompt: int = 1
+    video: VideoLimits = field(default_factory=VideoLimits)
+    accepts_video: bool = True  # the model's family takes video (`services.models.base.supports_video`)
 
 
 @dataclass(frozen=True)
 class MediaItem:
-    """One image of the request, in prompt order: its bytes and what its header says."""
+    """One image or video of the request, in prompt order: its bytes and what its header says."""
 
     index: int
     data: bytes
-    header: ImageHeader
+    header: ImageHeader | VideoHeader
+    modality: str = "image"
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,7 @@ def parse_messages(messages: list[generation_pb2.Message], limits: IntakeLimits)
     chat: list[ChatMessage] = []
     items: list[MediaItem] = []
     total_bytes = 0
+    counts = {"image": 0, "video": 0}
     for m_index, message in enumerate(messages):
         if message.role not in ROLES:
             raise invalid(f"messages[{m_index}]: unknown role {message.role!r}; use one of {sorted(ROLES)}")
@@ -81,22 +88,27 @@ def parse_messages(messages: list[generation_pb2.Message], limits: IntakeLimits)
             if kind == "text":
                 parts.append(ChatPart("text", part.text))
                 continue
-            if kind == "video":
-                raise invalid(f"{where}: video input is not supported by this model server")
-            if kind != "image":
+            if kind not in ("image", "video"):
                 raise invalid(f"{where}: empty content part")
-            if len(items) >= limits.max_images_per_prompt:
-                raise invalid(f"{where}: more than {limits.max_images_per_prompt} images in one prompt")
-            data = _media_bytes(part.image, where, limits)
+            if kind == "video" and not limits.accepts_video:
+                raise invalid(f"{where}: video input is not supported by this model")
+            cap = limits.max_images_per_prompt if kind == "image" else limits.max_videos_per_prompt
+            if counts[kind] >= cap:
+                raise invalid(f"{where}: more than {cap} {kind}s in one prompt")
+            counts[kind] += 1
+            data = _media_bytes(getattr(part, kind), where, limits)
             total_bytes += len(data)
             if total_bytes > limits.max_request_bytes:
                 raise too_large(f"{where}: media total exceeds {limits.max_request_bytes} bytes per request")
             try:
-                header = probe_image(data, limits.media, index=len(items))
+                if kind == "image":
+                    header = probe_image(data, limits.media, index=len(items))
+                else:
+                    header = probe_video(data, limits.video, index=len(items))
             except MediaError as exc:
                 raise invalid(f"{where}: {exc}") from exc
-            items.append(MediaItem(len(items), data, header))
-            parts.append(ChatPart("image"))
+            items.append(MediaItem(len(items), data, header, kind))
+            parts.append(ChatPart(kind))
         if not parts:
             raise invalid(f"messages[{m_index}]: message has no content")
         chat.append(ChatMessage(message.role, parts))

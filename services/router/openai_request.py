@@ -1,7 +1,8 @@
 """OpenAI chat-completion request bodies, validated, and their translation into a `GenerateRequest`.
 
 Invariant: the HTTP API adds no rule of its own about content, media or sampling values; it only
-maps field names. Every `image_url` (a data: URL or an https URL) becomes a `Media.url`, so intake,
+maps field names. Every `image_url` and `video_url` (a data: URL or an https URL; the latter as vLLM
+accepts it) becomes a `Media.url` of an image or video part, so intake,
 the safe fetcher and every limit treat it exactly as they treat a gRPC request, with the same
 messages. The checks here are about the JSON's shape and the OpenAI fields epd does not serve.
 """
@@ -51,7 +52,16 @@ class ImagePart(BaseModel):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class VideoURL(BaseModel):
+    url: str
+
+
+class VideoPart(BaseModel):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
 class Message(BaseModel):
@@ -99,15 +109,18 @@ class ChatCompletionRequest(BaseModel):
         return self
 
 
-def _content(content: str | list[TextPart | ImagePart]) -> list[generation_pb2.ContentPart]:
+def _content(content: str | list[TextPart | ImagePart | VideoPart]) -> list[generation_pb2.ContentPart]:
     if isinstance(content, str):
         return [generation_pb2.ContentPart(text=content)]
-    return [
-        generation_pb2.ContentPart(text=part.text)
-        if isinstance(part, TextPart)
-        else generation_pb2.ContentPart(image=generation_pb2.Media(url=part.image_url.url))
-        for part in content
-    ]
+    return [_part(part) for part in content]
+
+
+def _part(part: TextPart | ImagePart | VideoPart) -> generation_pb2.ContentPart:
+    if isinstance(part, TextPart):
+        return generation_pb2.ContentPart(text=part.text)
+    if isinstance(part, VideoPart):
+        return generation_pb2.ContentPart(video=generation_pb2.Media(url=part.video_url.url))
+    return generation_pb2.ContentPart(image=generation_pb2.Media(url=part.image_url.url))
 
 
 def sampling_params(body: ChatCompletionRequest) -> common_pb2.SamplingParams:

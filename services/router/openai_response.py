@@ -26,13 +26,14 @@ def sse(payload: dict[str, Any]) -> bytes:
 
 
 def usage_json(usage: generation_pb2.Usage) -> dict[str, Any]:
-    """OpenAI's usage, plus epd's `image_tokens` (prompt tokens that stand for images)."""
+    """OpenAI's usage, plus epd's `image_tokens` and `video_tokens` (prompt tokens that stand for images, videos)."""
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
         "image_tokens": usage.image_tokens,
+        "video_tokens": usage.video_tokens,
     }
 
 
@@ -144,6 +145,7 @@ def token_count_json(count: generation_pb2.TokenCount) -> dict[str, Any]:
         "prompt_tokens": count.prompt_tokens,
         "text_tokens": count.text_tokens,
         "image_tokens": count.image_tokens,
+        "video_tokens": count.video_tokens,
         "max_tokens": count.max_tokens,
         "projected_tokens": count.projected_tokens,
         "tokens_per_item": list(count.tokens_per_item),

@@ -10,9 +10,12 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from services.common import video
 from services.common.media import MediaError, MediaLimits
+from services.common.media_types import VideoLimits
 from services.common.model_info import ModelInfo
 from services.common.rpc.epd.v1 import common_pb2, generation_pb2
+from services.models.base import supports_video
 from services.router.accounting import Accounted, account
 from services.router.config import RouterConfig
 from services.router.errors import RequestError, invalid
@@ -103,7 +106,12 @@ class RequestPrep:
             config.max_item_bytes,
             config.max_request_bytes,
             MediaLimits(max_pixels=config.max_image_pixels),
+            config.max_videos_per_prompt,
+            VideoLimits(config.max_video_frame_pixels, config.max_video_frames, config.max_video_seconds),
+            accepts_video=supports_video(info.adapter),
         )
+        if self._limits.accepts_video:
+            video.warm_up()
 
     def _prepare_sync(self, request: generation_pb2.GenerateRequest) -> Prepared:
         sampling = validate_sampling(request.sampling, self._config)
@@ -144,8 +152,9 @@ class RequestPrep:
         ]
         if not targets:
             return request
-        if len(targets) > self._config.max_images_per_prompt:
-            raise invalid(f"more than {self._config.max_images_per_prompt} media URLs in one prompt")
+        most = self._config.max_images_per_prompt + self._config.max_videos_per_prompt
+        if len(targets) > most:
+            raise invalid(f"more than {most} media URLs in one prompt")
         fetched = await asyncio.gather(*(self._fetch_one(request, m, p) for m, p in targets), return_exceptions=True)
         for result in fetched:
             if isinstance(result, BaseException):

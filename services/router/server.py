@@ -57,7 +57,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         admission: Admission,
         dispatcher: EncodeDispatcher,
         metrics: RouterMetrics,
-        channels: dict[str, grpc.aio.Channel],
+        dialer: Dialer,
+        view: ClusterView,
+        tenancy: Tenancy,
     ) -> None:
         self._info = info
         self._config = config

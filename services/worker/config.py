@@ -22,6 +22,10 @@ class WorkerConfig(ServiceConfig):
     )
     max_num_batched_tokens: int = dataclasses.field(default=2048, metadata={"help": "tokens per step"})
     max_num_seqs: int = dataclasses.field(default=64, metadata={"help": "sequences per step"})
+    itl_target_ms: float = dataclasses.field(
+        default=0.0,
+        metadata={"help": "inter-token latency target: prefill per step sized to keep decode steps under it (0: off)"},
+    )
     overcommit: float = dataclasses.field(default=1.0, metadata={"help": "reservable blocks / total (>= 1)"})
     enable_prefix_caching: bool = dataclasses.field(default=True, metadata={"help": "reuse cached KV blocks"})
     heartbeat_interval_s: float = dataclasses.field(default=0.2, metadata={"help": "registry heartbeat"})
@@ -41,6 +45,8 @@ class WorkerConfig(ServiceConfig):
             raise ConfigError(f"EPD_OVERCOMMIT must be >= 1.0, got {self.overcommit}")
         for name in ("max_num_batched_tokens", "max_num_seqs", "embedding_timeout_s"):
             require_positive(name, getattr(self, name))
+        if not self.itl_target_ms >= 0:
+            raise ConfigError(f"EPD_ITL_TARGET_MS must be >= 0 (0: off), got {self.itl_target_ms}")
         for name in ("kv_cache_bytes", "block_size"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{env_name(name)} must be >= 0 (0: automatic), got {getattr(self, name)}")

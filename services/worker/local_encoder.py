@@ -15,7 +15,7 @@ import time
 import grpc
 
 from services.common.embedding_cache import EmbeddingCache
-from services.common.media import MediaError, MediaLimits
+from services.common.media import MediaError, MediaLimits, MediaReason
 from services.common.rpc.epd.v1 import encoder_pb2, encoder_pb2_grpc
 from services.encoder.preprocess import load_image
 from services.encoder.runner import VisionRunner
@@ -25,8 +25,9 @@ log = logging.getLogger(__name__)
 
 
 class LocalEncoderServicer(encoder_pb2_grpc.EncoderServicer):
-    def __init__(self, runner: VisionRunner, store: EmbeddingStore, cache: EmbeddingCache, limits: MediaLimits,
-                 address: str) -> None:
+    def __init__(
+        self, runner: VisionRunner, store: EmbeddingStore, cache: EmbeddingCache, limits: MediaLimits, address: str
+    ) -> None:
         self._runner = runner
         self._store = store
         self._cache = cache
@@ -36,17 +37,29 @@ class LocalEncoderServicer(encoder_pb2_grpc.EncoderServicer):
     def _decode(self, request: encoder_pb2.EncodeRequest) -> list:
         images = []
         for index, item in enumerate(request.items):
+            if item.ref.modality == "video":  # decoding video needs the encoder's process pool and time bound
+                raise MediaError(
+                    "co-located encoding takes images only; video needs an encoder service",
+                    MediaReason.FORMAT,
+                    index=index,
+                    media="video",
+                )
             try:
                 images.append(load_image(item.data, self._limits))
             except MediaError as exc:
                 raise exc.with_index(index) from exc
         return images
 
-    async def Encode(self, request: encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext,
-                     ) -> encoder_pb2.EncodeResponse:
+    async def Encode(
+        self,
+        request: encoder_pb2.EncodeRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> encoder_pb2.EncodeResponse:
         if request.destination and request.destination != self.address:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"worker {self.address} encodes only for itself, not for {request.destination}")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"worker {self.address} encodes only for itself, not for {request.destination}",
+            )
         start = time.perf_counter()
         try:
             images = await asyncio.to_thread(self._decode, request)

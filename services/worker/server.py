@@ -49,7 +49,10 @@ def engine_request(request: worker_pb2.WorkerRequest) -> EngineRequest:
     return EngineRequest(
         request_id=request.request_id,
         token_ids=list(request.token_ids),
-        media=[MediaInput(m.mm_hash, m.offset, m.num_tokens, tuple(m.grid_thw)) for m in request.media],
+        media=[
+            MediaInput(m.mm_hash, m.offset, m.num_tokens, tuple(m.grid_thw), m.modality or "image", m.second_per_grid_t)
+            for m in request.media
+        ],
         sampling=SamplingOptions(
             max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
@@ -184,6 +187,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if finished:
                     return
         finally:
+            self._streams.pop(request.request_id, None)
             watcher.cancel()
             for task in fetchers:
                 task.cancel()
@@ -305,6 +309,7 @@ def engine_config(config: WorkerConfig) -> EngineConfig:
         gpu_memory_utilization=config.gpu_memory_utilization,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs,
+        itl_target_ms=config.itl_target_ms,
         overcommit=config.overcommit,
         enable_prefix_caching=config.enable_prefix_caching,
         dtype=config.dtype,
@@ -320,9 +325,11 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
     model = info.adapter.load_model(device=config.device, dtype=dtype_of(config.dtype))
     telemetry = Telemetry("worker", config.host, config.metrics_port)
     cache = EmbeddingCache(CacheSettings.for_service(config, info.identity.revision))
-    loop = EngineLoop(Engine(info.adapter, model, engine_config(config)), nice=config.compute_nice)
+    engine = Engine(info.adapter, model, engine_config(config))
+    loop = EngineLoop(engine, nice=config.compute_nice)
+    metrics = WorkerMetrics.create(telemetry.meter, lambda: loop.kv_state, engine.step_costs)
+    engine.on_step = metrics.record_step  # called on the engine thread, set before it starts
     loop.start()
-    metrics = WorkerMetrics.create(telemetry.meter, lambda: loop.kv_state)
     store = EmbeddingStore(cache)
     servicer = WorkerServicer(loop, store, config, metrics)
     local_encoder = LocalEncoderServicer(

@@ -9,6 +9,7 @@
    worker's receive path: chunked gRPC stream, or gloo send/recv with gRPC control), and through
    Redis (`EmbeddingCache.put` here, `get` by a second cache with an empty memory tier): MB/s and
    per-item latency for each size, and the gloo and Redis figures relative to gRPC.
+3. A video's preprocessing with the preprocessing cache missing versus hitting (tests/bench/bench_video.py).
 The last line printed is one JSON object with every figure.
 """
 
@@ -28,6 +29,7 @@ import torch
 from services.common.embedding_cache import CacheSettings, EmbeddingCache
 from services.common.transport_grpc import Embedding
 from services.encoder.push import Channels, DistPush, push_grpc
+from tests.bench.bench_video import bench_video_preprocess
 from tests.bench.receiver import ReceiverProcess, start_redis
 
 
@@ -193,6 +195,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{batching[f'mean_batch_items_budget_{budget}']:.1f} images per call)",
                 flush=True,
             )
+        video = bench_video_preprocess(model_dir, args.quick)
+        print(
+            f"video preprocessing ({video['video']}, {video['video_tokens']} tokens): cache miss "
+            f"{video['video_preprocess_miss_ms']:.1f} ms, hit {video['video_preprocess_hit_ms']:.1f} ms "
+            f"(x{video['video_preprocess_miss_over_hit']:.1f})",
+            flush=True,
+        )
         with start_redis() as redis_url:
             transfers = bench_transfers(sizes, args.repeats, redis_url)
     for size in sizes:
@@ -201,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             for p in ("grpc", "gloo", "redis")
         )
         print(f"embedding of {size:g} MB: {line}", flush=True)
-    result = {**batching, **transfers, **_ratios(transfers, sizes)}
+    result = {**batching, **video, **transfers, **_ratios(transfers, sizes)}
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
     return 0
 

@@ -24,7 +24,10 @@ NAMESPACE = "ml"
 # The oldest Kubernetes the chart targets in CI and the newest kubernetes-validate ships.
 KUBE_VERSIONS = ("1.33.0", kv_utils.latest_version())
 # Custom resources kubernetes-validate has no schema for: (apiVersion, kind) -> schema file.
-CRD_SCHEMAS = {("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor-monitoring-v1.json"}
+CRD_SCHEMAS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor-monitoring-v1.json",
+    ("cert-manager.io/v1", "Certificate"): "certificate-cert-manager-v1.json",
+}
 WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
 
 

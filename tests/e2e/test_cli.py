@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 
-from services.launch.health import check
+from services.launch.health import check, wait_healthy
 from tests import media_factory
 from tests.integration.conftest import RedisServer
 
@@ -130,5 +130,3 @@ def check_json_and_flags(image: Path, env: dict[str, str]) -> None:
     refused = _epd("generate", "--max-tokens", "10000000", "hi", env=env)
     assert refused.returncode == 1 and len(refused.stderr.splitlines()) == 1, refused.stderr
     assert refused.stderr.startswith("epd: error: ") and "INVALID_ARGUMENT" in refused.stderr, refused.stderr
-
-

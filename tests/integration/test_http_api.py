@@ -197,6 +197,7 @@ def test_count_tokens_equals_grpc(api: Api) -> None:
         "prompt_tokens": count.prompt_tokens,
         "text_tokens": count.text_tokens,
         "image_tokens": count.image_tokens,
+        "video_tokens": 0,
         "max_tokens": 30,
         "projected_tokens": count.prompt_tokens + 30,
         "tokens_per_item": list(count.tokens_per_item),

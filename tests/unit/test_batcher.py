@@ -57,12 +57,15 @@ def test_items_from_many_submitters_share_one_call_within_budget() -> None:
     assert run(go()) == [["h0", "h1", "h2", "h3"]]
 
 
-@pytest.mark.parametrize(("tokens", "expected"), [
-    ([6, 6, 6], [["h0"], ["h1"], ["h2"]]),
-    ([3, 3, 3, 3], [["h0", "h1", "h2"], ["h3"]]),
-    ([4, 25, 4], [["h0"], ["h1"], ["h2"]]),  # the oversized item runs alone, nobody overtakes it
-    ([25], [["h0"]]),
-])
+@pytest.mark.parametrize(
+    ("tokens", "expected"),
+    [
+        ([6, 6, 6], [["h0"], ["h1"], ["h2"]]),
+        ([3, 3, 3, 3], [["h0", "h1", "h2"], ["h3"]]),
+        ([4, 25, 4], [["h0"], ["h1"], ["h2"]]),  # the oversized item runs alone, nobody overtakes it
+        ([25], [["h0"]]),
+    ],
+)
 def test_budget_splits_batches_in_order_and_oversized_items_run_alone(tokens: list[int], expected) -> None:
     async def go() -> tuple[list[list[object]], list[BatchStats]]:
         tower, stats = FakeTower(), []
@@ -187,8 +190,12 @@ def test_admission_is_all_or_nothing_and_gives_everything_back() -> None:
             lone = admission.admit([500])  # above the cap but nothing queued: admitted
             lone.finish(0)
             assert admission.snapshot().as_state() == {
-                "queued_items": 0, "queued_tokens": 0, "preprocess_outstanding": 0,
-                "batch_queue_items": 0, "batch_queue_tokens": 0}
+                "queued_items": 0,
+                "queued_tokens": 0,
+                "preprocess_outstanding": 0,
+                "batch_queue_items": 0,
+                "batch_queue_tokens": 0,
+            }
 
     run(go())
 
@@ -212,3 +219,81 @@ def test_eight_images_in_one_call_equal_each_alone(tiny_model_dir: Path) -> None
         alone = runner.encode([image]).embeddings[0]
         assert together.dtype == torch.float32 and together.shape == alone.shape
         assert (together - alone).abs().max().item() <= 1e-5
+
+
+# --- video: split across tower calls ---------------------------------------------------------------
+
+
+def test_temporal_chunks_cover_the_video_within_half_the_budget() -> None:
+    from services.encoder.video_items import temporal_chunks
+
+    assert temporal_chunks((20, 16, 28), 20 * 112, 16384) == [(0, 20)]
+    chunks = temporal_chunks((20, 16, 28), 20 * 112, 1000)  # 112 tokens a step: 4 steps in 500 tokens
+    assert chunks == [(0, 4), (4, 8), (8, 12), (12, 16), (16, 20)]
+    assert temporal_chunks((3, 80, 80), 3 * 1600, 1000) == [(0, 1), (1, 2), (2, 3)]  # one step over budget
+
+
+def test_a_long_video_does_not_starve_an_image() -> None:
+    """The video's chunks go one at a time, so an image submitted while the first runs rides in the second
+    call, not after the whole video; the chunks' rows come back whole and in order."""
+    from services.encoder.runner import VisionOutput
+    from services.encoder.video_items import encode_video
+    from services.models.base import PixelInputs
+
+    calls: list[list[object]] = []
+
+    def tower(inputs: list[object]) -> list:
+        calls.append([i.grid_thw[0] if isinstance(i, PixelInputs) else i for i in inputs])
+        time.sleep(0.02)
+        rows = [i.pixel_values[:, :1].clone() if isinstance(i, PixelInputs) else torch.zeros(1, 1) for i in inputs]
+        return VisionOutput(rows).items()
+
+    async def go() -> torch.Tensor:
+        batcher = Batcher(tower, max_tokens=20, max_wait_s=0.001)  # chunks of 2 steps (8 tokens): 6 of them
+        batcher.start()
+        rows = torch.arange(12 * 16, dtype=torch.float32)[:, None].expand(-1, 4).contiguous()
+        video = asyncio.ensure_future(encode_video(batcher, "v", PixelInputs(rows, (12, 4, 4)), 12 * 4))
+        await asyncio.sleep(0.005)  # the first chunk is in the tower
+        image = batcher.submit(BatchItem("img", 10, "image"))
+        embedding, _ = await asyncio.gather(video, image)
+        await batcher.close()
+        return embedding.host()
+
+    embedding = run(go())
+    with_image = [index for index, call in enumerate(calls) if "image" in call]
+    assert with_image == [1], calls  # right after the first chunk, alone or with the second
+    assert sum(step for call in calls for step in call if step != "image") == 12 and calls[0] == [2], calls
+    assert torch.equal(embedding[:, 0], torch.arange(12 * 16, dtype=torch.float32))  # every row, in order
+
+
+def test_a_video_split_across_calls_equals_it_whole(tiny_model_dir: Path, tiny_model_dir_25: Path) -> None:
+    """The towers attend within a temporal patch: chunks of patches give the whole video's rows."""
+    from services.common.media_types import VideoLimits
+    from services.common.model_info import load_model_info
+    from services.common.video import probe_video
+    from services.encoder.runner import VisionRunner
+    from services.encoder.video_decode import decode_video
+    from services.encoder.video_items import encode_video
+    from tests import media_factory
+
+    data = media_factory.video(97, 61, seconds=4, fps=10, seed=7)
+    header = probe_video(data, VideoLimits())
+    for folder in (tiny_model_dir, tiny_model_dir_25):
+        adapter = load_model_info(folder).adapter
+        runner = VisionRunner(adapter, adapter.load_model())
+        tokens = adapter.video_tokens(header.width, header.height, header.frames, header.fps)
+        frames, _ = decode_video(
+            data, adapter.video_frame_plan(tokens.grid_thw, tokens.frame_indices), VideoLimits(), 30
+        )
+        inputs = adapter.preprocess_video(frames, tokens.grid_thw)
+        whole = runner.encode_inputs([inputs])[0]
+
+        async def split(runner=runner, inputs=inputs, tokens=tokens.num_tokens, steps=tokens.grid_thw[0]):
+            batcher = Batcher(runner.encode_items, max_tokens=2 * tokens // steps, max_wait_s=0)  # 1 step a call
+            batcher.start()
+            embedding = await encode_video(batcher, "v", inputs, tokens)
+            await batcher.close()
+            return embedding.host()
+
+        assert tokens.grid_thw[0] == 4
+        assert (run(split()) - whole).abs().max().item() <= 1e-5

@@ -1,6 +1,7 @@
 """Acceptance 1: 16 concurrent requests (text only, and one to three images) through the engine give, each,
 exactly transformers' greedy `generate` for that request alone; at token budgets 16, 64 and 512 (prefill is
-chunked in the first two), with prefix caching on and off, arrivals and embeddings staggered."""
+chunked in the first two), with prefix caching on and off, arrivals and embeddings staggered; and under an
+inter-token latency target (prefill chunks sized by measured step costs)."""
 
 from __future__ import annotations
 
@@ -84,6 +85,35 @@ def test_concurrent_greedy_equals_generate(
     engine = Engine(adapter, model, config)
     assert (engine.config.attention_backend, engine.config.block_size) == (name, block_size)
     assert (engine.runner.graphs is not None) == (graphs == "eager")
+    results = run_workload(engine, workload)
+    if engine.runner.graphs is not None:
+        assert engine.runner.graphs.steps > 0  # decode-only steps went through the padded graph path
+    if caching and block_size == 16:  # 256-token blocks: prefix reuse is tested in test_engine_requests.py
+        assert any(r.cached_tokens > 0 for r in results.values())
+
+
+@pytest.mark.parametrize("target_ms", [0.001, 3.0], ids=["minimum-chunks", "3ms"])
+def test_concurrent_greedy_equals_generate_under_an_itl_target(
+    loaded: tuple[Any, Any], workload: list[tuple[Prompt, int, list[int]]], target_ms: float
+) -> None:
+    """With an inter-token latency target the prefill chunks next to decodes are sized by the measured step
+    cost (0.001 ms: always the minimum, a block; 3 ms: whatever this machine's steps allow); still exact."""
+    adapter, model = loaded
+    config = EngineConfig(kv_cache_bytes=16 << 20, max_num_batched_tokens=512, max_num_seqs=16, max_model_len=4096,
+                          itl_target_ms=target_ms)  # fmt: skip
+    engine = Engine(adapter, model, config)
+    budgets: list[int] = []
+    engine.on_step = lambda timing: budgets.append(timing.prefill_budget) if timing.prefill_budget else None
+    run_workload(engine, workload)
+    assert budgets, "the target was never consulted"
+    if target_ms < 0.01:
+        assert set(budgets) == {engine.config.block_size}
+    assert engine.step_costs.samples > 0 and min(engine.step_costs.coefficients) >= 0
+
+
+def run_workload(engine: Engine, workload: list[tuple[Prompt, int, list[int]]]) -> dict[str, Result]:
+    """The 16 requests in groups of four a step apart, half the embeddings late; checks every output equals
+    `generate` and that everything is given back."""
     results: dict[str, Result] = {}
     late: list[Prompt] = []
     for i, (prompt, max_tokens, _) in enumerate(workload):
@@ -107,7 +137,4 @@ def test_concurrent_greedy_equals_generate(
     state = engine.kv_state()
     assert state.free_blocks == state.total_blocks and state.reserved_blocks == 0
     assert engine.embedding_stats().pinned == 0
-    if engine.runner.graphs is not None:
-        assert engine.runner.graphs.steps > 0  # decode-only steps went through the padded graph path
-    if caching and block_size == 16:  # 256-token blocks: prefix reuse is tested in test_engine_requests.py
-        assert any(r.cached_tokens > 0 for r in results.values())
+    return results

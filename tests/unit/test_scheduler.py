@@ -1,4 +1,5 @@
-"""Scheduler: one token budget, running first, chunked prefill, embedding gating, reservations, n choices."""
+"""Scheduler: one token budget, running first, chunked prefill, embedding gating, reservations, n choices,
+decode priority (free slots, latency target)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from hypothesis import strategies as st
 from services.common.kv_blocks import request_blocks, shared_prompt_blocks
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.config import EngineConfig
+from services.worker.engine.itl_target import ItlTarget
 from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions
 from services.worker.engine.scheduler import Scheduler, SchedulerOutput
 from services.worker.engine.sequence import Sequence, request_choices
+from services.worker.engine.step_cost import StepCostModel, StepShape
 
 BLOCK = 4
 
@@ -309,3 +312,78 @@ def test_decode_priority_caps_prefill_by_free_slots() -> None:
     run_all(plain)
     assert [s.token_ids for s in seqs[0]] == [s.token_ids for s in seqs[1]]
     assert all(s.finish_reason == "length" for s in seqs[0])
+
+
+# A step-cost model with no measured step predicts with its prior: 1 ms a step, 0.1 ms a decode row, 0.1 ms a
+# prefill token, next to nothing for context; so a 3.05 ms target leaves (3.05 - 1 - 0.1 x rows) / 0.1 prefill
+# tokens, 18 next to two decodes.
+TARGET_PRIOR = (1e-3, 1e-4, 1e-12, 1e-4, 1e-15)
+
+
+def make_targeted(target_ms: float, **overrides: object) -> Scheduler:
+    config = EngineConfig(block_size=BLOCK, **{"max_num_batched_tokens": 64, "max_num_seqs": 8, **overrides})
+    bm = BlockManager(64, BLOCK, config.enable_prefix_caching)
+    target = ItlTarget(target_ms / 1000, StepCostModel(prior=TARGET_PRIOR), minimum=BLOCK)
+    return Scheduler(config, bm, set(), target)
+
+
+def decoding(sched: Scheduler) -> list[Sequence]:
+    return [s for s in sched.running if s.num_tokens - s.num_computed_tokens == 1]
+
+
+def test_itl_target_sizes_prefill_next_to_decodes() -> None:
+    sched = make_targeted(3.05)
+    a, b = make_seq("a", list(range(10)), max_tokens=20), make_seq("b", list(range(5, 17)), max_tokens=20)
+    sched.add(a)
+    sched.add(b)
+    first = step(sched)  # nobody decodes yet: the whole budget, no target consulted
+    assert [c.num_tokens for c in first.chunks] == [10, 12] and first.itl_budget is None
+    assert step(sched).itl_budget is None  # decodes and no prefill waiting: nothing to size
+    long = make_seq("long", list(range(100, 160)), max_tokens=2)
+    sched.add(long)
+    out = step(sched)
+    assert out.itl_budget == 18  # (3.05 - 1 - 2 x 0.1) ms / 0.1 ms, rounded down
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 1), ("long", 18)]
+    out = step(sched)
+    assert out.itl_budget == 18 and out.chunks[-1].num_tokens == 18
+    assert sched.itl_target.model.predict(StepShape.of(out.chunks)) <= 3.05e-3
+
+
+def test_itl_target_keeps_a_minimum_chunk_and_everything_ends() -> None:
+    """A target no step can meet still lets prefill advance a block per step; outputs equal an untargeted run."""
+    tight, plain = make_targeted(0.01), make_scheduler(max_num_batched_tokens=64)
+    seqs = {}
+    for key, sched in (("tight", tight), ("plain", plain)):
+        seqs[key] = [make_seq(f"r{i}", list(range(1 + i, 30 + 5 * i)), max_tokens=8) for i in range(5)]
+        sched.add(seqs[key][0])
+        step(sched)  # r0 alone: whole budget
+        for seq in seqs[key][1:]:
+            sched.add(seq)
+    steps = 0
+    while tight.has_work():
+        decodes = decoding(tight)
+        pending = bool(tight.waiting) or len(decodes) < len(tight.running)
+        out = step(tight)
+        prefill = sum(c.num_tokens for c in out.chunks if c.seq not in decodes)
+        if decodes and pending:  # a block's worth next to the decodes, never nothing
+            assert out.itl_budget == BLOCK and 0 < prefill <= BLOCK
+        steps += 1
+        assert steps < 500
+    run_all(plain)
+    assert [s.token_ids for s in seqs["tight"]] == [s.token_ids for s in seqs["plain"]]
+    assert tight.block_manager.num_free_blocks == 64 and tight.ledger.reserved_blocks == 0
+
+
+def test_itl_target_and_free_slot_rule_take_the_smaller_cap() -> None:
+    sched = make_targeted(3.05, max_num_seqs=4, prefill_tokens_per_free_seq=2)  # 2 x (4 - 2) = 4 < 18
+    loose = make_targeted(30.0, max_num_seqs=4, prefill_tokens_per_free_seq=16)  # 16 x 2 = 32 < 278
+    for s in (sched, loose):
+        s.add(make_seq("a", list(range(10)), max_tokens=20))
+        s.add(make_seq("b", list(range(5, 17)), max_tokens=20))
+        while len(decoding(s)) < 2:
+            step(s)
+        s.add(make_seq("long", list(range(100, 160)), max_tokens=2))
+    out = step(sched)
+    assert out.itl_budget == 18 and out.chunks[-1].num_tokens == BLOCK
+    out = step(loose)
+    assert out.itl_budget == 64 and out.chunks[-1].num_tokens == 32  # the target allows the whole budget

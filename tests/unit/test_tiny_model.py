@@ -46,8 +46,73 @@ def test_build_is_byte_identical_in_a_fresh_process(tiny_model_dir: Path, tmp_pa
         "preprocessor_config.json",
         "tokenizer.json",
         "tokenizer_config.json",
+        "video_preprocessor_config.json",
     ]
     assert rebuilt == original
+
+
+def test_llava_build_is_byte_identical_in_a_fresh_process(tiny_llava_dir: Path, tmp_path: Path) -> None:
+    script = (
+        "import sys; from pathlib import Path; from services.models.tiny_model import make_tiny_model; "
+        "make_tiny_model(Path(sys.argv[1]), 'llava')"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "54321", "HF_HUB_OFFLINE": "1"}
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, cwd=REPO_ROOT, env=env)
+    rebuilt = _files(tmp_path)
+    assert sorted(rebuilt) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "preprocessor_config.json",
+        "processor_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    assert rebuilt == _files(tiny_llava_dir)
+
+
+def test_llava_loads_with_auto_classes_offline(tiny_llava_dir: Path) -> None:
+    """Config, tokenizer, CLIP image processor, LlavaProcessor and model load offline; the CLIP keeps LLaVA-1.5's
+    336/14 geometry (576 tokens per image); the language model is a Llama with head_dim 16."""
+    from tokenizers import Tokenizer
+    from transformers import (
+        AutoConfig,
+        AutoImageProcessor,
+        AutoModelForImageTextToText,
+        AutoProcessor,
+        AutoTokenizer,
+        LlamaTokenizer,
+    )
+
+    config = AutoConfig.from_pretrained(tiny_llava_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llava_dir)
+    processor = AutoImageProcessor.from_pretrained(tiny_llava_dir)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_llava_dir)
+    assert config.model_type == "llava" and type(model).__name__ == config.architectures[0]
+    assert (config.text_config.model_type, config.vision_config.model_type) == ("llama", "clip_vision_model")
+    assert config.text_config.vocab_size == len(tokenizer) == model.lm_head.out_features
+    assert config.text_config.hidden_size // config.text_config.num_attention_heads == 16
+    assert (config.vision_config.image_size, config.vision_config.patch_size) == (336, 14)
+    assert (config.vision_feature_layer, config.vision_feature_select_strategy) == (-2, "default")
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in ("<unk>", "<s>", "</s>", "<image>", "<pad>")}
+    assert [ids["<unk>"], ids["<s>"], ids["</s>"]] == [0, 1, 2]  # Llama's, the byte tokens after them
+    assert tokenizer.convert_tokens_to_ids("<0x0A>") == 3 + 10
+    assert config.image_token_id == ids["<image>"] == len(tokenizer) - 2
+    assert config.text_config.eos_token_id == ids["</s>"] and config.pad_token_id == ids["<pad>"]
+    assert type(processor).__name__.removesuffix("Pil") == "CLIPImageProcessor"
+    assert processor.size.shortest_edge == 336 and (processor.crop_size.height, processor.crop_size.width) == (336, 336)
+    llava_processor = AutoProcessor.from_pretrained(tiny_llava_dir)
+    assert type(llava_processor).__name__ == "LlavaProcessor" and llava_processor.patch_size == 14
+    # The file's pipeline, transformers' LlamaTokenizer (which rebuilds it from vocab and merges) and the raw
+    # tokenizers file agree; `<s>` comes first; byte fallback covers characters outside the vocabulary.
+    text = "USER: <image>\nDescribe the picture, please: 42 apples! café ☃ ASSISTANT:"
+    raw = Tokenizer.from_file(str(tiny_llava_dir / "tokenizer.json")).encode(text).ids
+    assert tokenizer(text)["input_ids"] == raw == LlamaTokenizer.from_pretrained(tiny_llava_dir)(text)["input_ids"]
+    assert raw[0] == ids["<s>"] and raw.count(ids["<image>"]) == 1
+    assert tokenizer.decode(raw, skip_special_tokens=True) == text.replace("<image>", "")
+    conversation = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image"}]}]
+    rendered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert rendered == "USER: <image>\nWhat is this? ASSISTANT:"
 
 
 def test_qwen25_build_is_byte_identical(tiny_model_dir_25: Path, tmp_path: Path) -> None:
@@ -132,9 +197,20 @@ def test_rejects_bad_arguments(tmp_path: Path) -> None:
         make_tiny_model(tmp_path, "qwen2-vl", max_pixels=100)
     with pytest.raises(ValueError, match="text_width"):
         make_tiny_model(tmp_path, "qwen2-vl", text_width=100)
+    with pytest.raises(ValueError, match="max_pixels"):
+        make_tiny_model(tmp_path, "llava", max_pixels=DEFAULT_MAX_PIXELS)
 
 
-@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl"])
+def test_cli_offers_every_family(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from services.cli import _parser, main
+
+    args = _parser().parse_args(["make-tiny-model", str(tmp_path), "--family", "llava"])
+    assert args.family == "llava"
+    assert main(["make-tiny-model", str(tmp_path / "m"), "--family", "llava", "--max-pixels", "100000"]) == 2
+    assert "max_pixels applies to the Qwen2-VL families" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "llava"])
 def test_a_wider_deeper_model_encodes_and_generates(family: str, tmp_path: Path) -> None:
     """The size options keep the model whole: head_dim, M-RoPE sections and the vision merger follow the width."""
     import torch
@@ -142,10 +218,12 @@ def test_a_wider_deeper_model_encodes_and_generates(family: str, tmp_path: Path)
 
     from services.models.registry import load_adapter
 
-    folder = make_tiny_model(tmp_path, family, max_pixels=TINY_TEST_MAX_PIXELS, text_width=128, text_layers=3)
+    max_pixels = None if family == "llava" else TINY_TEST_MAX_PIXELS
+    folder = make_tiny_model(tmp_path, family, max_pixels=max_pixels, text_width=128, text_layers=3)
     text = json.loads((folder / "config.json").read_text())["text_config"]
     assert (text["hidden_size"], text["num_hidden_layers"]) == (128, 3)
-    assert sum(text["rope_parameters"]["mrope_section"]) * 2 == 128 // text["num_attention_heads"]
+    if family != "llava":  # Llama: 1-D rotary positions
+        assert sum(text["rope_parameters"]["mrope_section"]) * 2 == 128 // text["num_attention_heads"]
     adapter = load_adapter(folder)
     model = adapter.load_model()
     pixels = adapter.preprocess(Image.new("RGB", (64, 48), (200, 40, 90)))

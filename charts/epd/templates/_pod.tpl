@@ -27,7 +27,11 @@
 {{- fail "env: EPD_REDIS_URL must be the same for every epd pod (the router finds workers and encoders in the Redis registry); set redis.external.url instead" }}
 {{- end }}
 {{- end }}
-{{- $vars = mergeOverwrite $vars (default (dict) .extra) (default (dict) $root.Values.env) (default (dict) .comp.env) -}}
+{{- $security := include "epd.securityVars" (dict "root" $root "name" .name) | fromYaml }}
+{{- $vars = mergeOverwrite $vars $security (default (dict) .extra) (default (dict) $root.Values.env) (default (dict) .comp.env) -}}
+{{- if $root.Values.redis.external.existingSecret }}
+{{- $_ := unset $vars "EPD_REDIS_URL" }}
+{{- end }}
 - name: POD_NAME
   valueFrom:
     fieldRef:
@@ -40,6 +44,9 @@
   valueFrom:
     fieldRef:
       fieldPath: status.podIP
+{{- with include "epd.secretEnv" $root }}
+{{ . }}
+{{- end }}
 {{- range $name := keys $vars | sortAlpha }}
 - name: {{ $name }}
   value: {{ get $vars $name | toString | quote }}
@@ -161,6 +168,9 @@ volumes:
       medium: Memory
       sizeLimit: {{ .comp.shmSizeLimit }}
   {{- end }}
+  {{- with include "epd.secretVolumes" (dict "root" .root "name" .name) }}
+  {{- . | nindent 2 }}
+  {{- end }}
 {{- end }}
 
 {{/* Mounts of the main container: (dict "root" $ "comp" .Values.worker) */}}
@@ -178,6 +188,9 @@ volumeMounts:
   {{- if .comp.shmSizeLimit }}
   - name: dshm
     mountPath: /dev/shm
+  {{- end }}
+  {{- with include "epd.secretVolumeMounts" (dict "root" .root "name" .name) }}
+  {{- . | nindent 2 }}
   {{- end }}
 {{- end }}
 

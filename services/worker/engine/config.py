@@ -31,6 +31,11 @@ class EngineConfig:
     small prefill chunk and one with few a large one; set it near (cost of a decode) / (cost of a prefill
     token), and a step costs about a full decode step at most.
 
+    ``itl_target_ms`` (0: off) is an inter-token latency target: while sequences decode, each step carries the
+    most prefill tokens the step-cost model (fitted online from the engine's own steps, ``step_cost.py``)
+    predicts keep the step within it, at least one block's worth (``itl_target.py``); with both set, the
+    smaller cap wins. With no decode running, prefill takes the whole budget either way.
+
     ``attention_backend`` names one of ``ATTENTION_BACKENDS`` (services/worker/engine/attention/): ``"auto"``
     picks ``flash`` on CUDA in float16/bfloat16, ``sdpa`` on CUDA otherwise, and on the CPU the
     compiled ``cpu-kernel`` where it applies (float32, 16-token blocks, head dims a multiple of 16, a C
@@ -54,6 +59,7 @@ class EngineConfig:
     device: str = "cpu"
     max_model_len: int | None = None
     prefill_tokens_per_free_seq: int = 0
+    itl_target_ms: float = 0.0
     embedding_buffer_bytes: int = 256 * 1024 * 1024
     seed: int = 0
     attention_backend: str = "auto"
@@ -75,6 +81,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.overcommit must be >= 1.0, got {self.overcommit}")
         if self.prefill_tokens_per_free_seq < 0:
             raise ValueError("EngineConfig.prefill_tokens_per_free_seq must be >= 0")
+        if not self.itl_target_ms >= 0:
+            raise ValueError(f"EngineConfig.itl_target_ms must be >= 0 (0: off), got {self.itl_target_ms}")
         if self.embedding_buffer_bytes < 0:
             raise ValueError("EngineConfig.embedding_buffer_bytes must be >= 0")
         if self.max_model_len is not None and self.max_model_len <= 0:

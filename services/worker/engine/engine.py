@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from services.common.kv_blocks import request_blocks
+from services.models.base import placeholder_token_id
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.embeddings import EmbeddingPool, EmbeddingStats
+from services.worker.engine.itl_target import ItlTarget
 from services.worker.engine.model_runner import ModelRunner
 from services.worker.engine.request import EngineRequest, KVState, MediaInput, StepOutput
-from services.worker.engine.sampler import Sampler
-from services.worker.engine.scheduler import Scheduler
+from services.worker.engine.sampler import Sampler, reseed_for_position
+from services.worker.engine.scheduler import Scheduler, SchedulerOutput
 from services.worker.engine.sequence import Sequence, request_choices
+from services.worker.engine.step_cost import StepCostModel, StepShape, StepTiming
 
 
 class Engine:
@@ -25,6 +30,12 @@ class Engine:
     per media item, and a reservation in the ledger once admitted (under its ``seq_id``, ``(request id,
     choice)``; a bare reservation takes choice 0's key). Finishing a choice gives its part back; aborting a
     request gives all of it back. Call everything from one thread.
+
+    Every step whose end is known on the host (it sampled: the one device-to-host copy waits for the device;
+    or the device is the CPU) is timed to that copy, fed to ``step_costs``, then handed to ``on_step`` when set
+    (the worker's metrics). It is timed from the previous timed step's end when sequences decoded on from there
+    (their inter-token time: whatever the caller did between the steps, such as the engine loop's commands and
+    outputs, counts), else from scheduling. With ``itl_target_ms`` the scheduler sizes prefill by the model.
     """
 
     def __init__(self, adapter: Any, model: torch.nn.Module, config: EngineConfig) -> None:
@@ -33,12 +44,20 @@ class Engine:
         self.config = config = self.runner.config  # automatic settings resolved (backend, block size, KV bytes)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.embeddings = EmbeddingPool(config.embedding_buffer_bytes, config.torch_dtype, self.runner.io)
-        self.scheduler = Scheduler(config, self.block_manager, self.embeddings)
+        self.step_costs = StepCostModel()
+        self.itl_target = (
+            ItlTarget(config.itl_target_ms / 1000, self.step_costs, minimum=config.block_size)
+            if config.itl_target_ms > 0
+            else None
+        )
+        self.scheduler = Scheduler(config, self.block_manager, self.embeddings, self.itl_target)
+        self.on_step: Callable[[StepTiming], None] | None = None
         self.sampler = Sampler(config.seed, self.runner.io)
         self.eos_token_ids = frozenset(adapter.eos_token_ids)
         self.max_model_len = self.runner.max_model_len
         self.requests: dict[str, list[Sequence]] = {}
         self._stalled = False  # the last step scheduled nothing and nothing has changed since
+        self._tokens_at: float | None = None  # the last timed step's end, when sequences decode on after it
 
     def bind_thread(self) -> None:
         """Call first on the thread that will run the engine: it makes the engine's CUDA device that thread's
@@ -129,6 +148,8 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """Schedule, run the model once, sample; returns the new tokens of the requests that sampled."""
+        start = self._tokens_at or time.perf_counter()
+        self._tokens_at = None
         scheduled = self.scheduler.schedule()
         if not scheduled.chunks:
             self._stalled = True
@@ -137,8 +158,13 @@ class Engine:
         seqs = [c.seq for c in run.sampled]
         sampled = []
         if seqs:  # the step's one device-to-host copy: token ids and any logprobs together
-            options, generators = [s.sampling for s in seqs], [s.generator for s in seqs]
+            options = [s.sampling for s in seqs]
+            generators = [reseed_for_position(s.generator, s.sampling.seed, s.num_tokens) for s in seqs]
             sampled = self.sampler.sample_to_host(run.logits, options, generators)
+        timed = bool(seqs) or self.runner.device.type != "cuda"
+        end = time.perf_counter()
+        if timed:
+            self._time_step(scheduled, end - start)
         self.scheduler.update(scheduled)
         outputs = []
         for seq, (token, logprobs) in zip(seqs, sampled, strict=True):
@@ -146,6 +172,8 @@ class Engine:
             reason = seq.stop_reason(self.eos_token_ids)
             if reason is not None:
                 self._finish(seq, reason)
+            elif timed:
+                self._tokens_at = end  # it decodes next step: that step's time runs from here
             outputs.append(
                 StepOutput(
                     seq.request_id,
@@ -160,6 +188,13 @@ class Engine:
             )
         return outputs
 
+    def _time_step(self, scheduled: SchedulerOutput, seconds: float) -> None:
+        shape = StepShape.of(scheduled.chunks)
+        predicted = self.step_costs.predict(shape)  # before the model sees this step: an honest error
+        self.step_costs.observe(shape, seconds)
+        if self.on_step is not None:
+            self.on_step(StepTiming(shape, seconds, predicted, scheduled.itl_budget))
+
     def kv_state(self) -> KVState:
         bm, scheduler = self.block_manager, self.scheduler
         return KVState(
@@ -171,6 +206,7 @@ class Engine:
             block_size=self.config.block_size,
             preemptions=scheduler.num_preemptions,
             attention_backend=self.config.attention_backend,
+            pinned_embeddings=len(self.embeddings.pinned),
         )
 
     def embedding_stats(self) -> EmbeddingStats:
@@ -240,8 +276,11 @@ class Engine:
                     f"is out of order or runs past the prompt"
                 )
             end = item.offset + item.num_tokens
-            if any(t != self.adapter.image_token_id for t in seq.token_ids[item.offset : end]):
-                raise ValueError(f"request {seq.request_id!r}: media item at {item.offset} covers text tokens")
+            placeholder = placeholder_token_id(self.adapter, item.modality)  # ValueError for a modality it lacks
+            if any(t != placeholder for t in seq.token_ids[item.offset : end]):
+                raise ValueError(
+                    f"request {seq.request_id!r}: {item.modality} item at {item.offset} covers other tokens"
+                )
 
 
 def _check_rows(item: MediaInput, request_id: str, tensor: torch.Tensor) -> None:

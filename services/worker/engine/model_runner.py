@@ -97,7 +97,7 @@ class ModelRunner:
         Kept as three plain lists (one per M-RoPE axis), computed on the host: a step reads them without
         tensor ops and preparing a request touches no device.
         """
-        items = [PlacedItem(m.offset, tuple(m.grid_thw)) for m in seq.media]
+        items = [PlacedItem(m.offset, tuple(m.grid_thw), m.modality, m.second_per_grid_t) for m in seq.media]
         prompt = self.adapter.prompt_positions(None, seq.token_ids[: seq.num_prompt_tokens], items)
         tail = self.adapter.decode_positions(seq.num_prompt_tokens, seq.sampling.max_tokens, prompt.rope_delta)
         seq.positions = torch.cat([prompt.positions, tail], dim=1).tolist()

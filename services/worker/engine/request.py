@@ -45,13 +45,17 @@ class SamplingOptions:
 class MediaInput:
     """A media item of a prompt: its placeholder tokens ``[offset, offset + num_tokens)``.
 
-    ``grid_thw`` is the model-specific patch grid the adapter needs for positions (empty if unused).
+    ``grid_thw`` is the model-specific patch grid the adapter needs for positions (empty if unused);
+    ``modality`` names the placeholder token the item covers; ``second_per_grid_t`` is a video's time per
+    temporal grid step (Qwen2.5-VL's positions; 0.0 if unused).
     """
 
     mm_hash: str
     offset: int
     num_tokens: int
     grid_thw: tuple[int, ...] = ()
+    modality: str = "image"
+    second_per_grid_t: float = 0.0
 
 
 @dataclass
@@ -106,3 +110,4 @@ class KVState:
     block_size: int
     preemptions: int = 0  # since start; stays 0 with overcommit 1.0
     attention_backend: str = ""  # the engine's, resolved (never "auto")
+    pinned_embeddings: int = 0  # media embeddings held for admitted requests (0 when none is in flight)

@@ -109,3 +109,27 @@ def filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     drop = (before >= top_p[:, None]) & (top_p[:, None] < 1)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(scaled).scatter_(1, order, sorted_logits)
+
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of the draw for the token at index ``position`` of a sequence (prompt tokens included) of a
+    request seeded ``seed``: ``splitmix64(seed + (position + 1) * 0x9E3779B97F4A7C15)`` (mod 2**64).
+
+    Invariant: it depends on ``seed`` and ``position`` only, so the same request sampled alone, in any batch,
+    or continued on another worker from prompt + generated tokens draws the same numbers at each position.
+    """
+    z = (seed + (position + 1) * _GOLDEN) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def reseed_for_position(generator: torch.Generator | None, seed: int | None, position: int) -> torch.Generator | None:
+    """``generator`` reseeded for the token at ``position`` (``position_seed``); None stays None (unseeded)."""
+    if generator is None or seed is None:
+        return generator
+    return generator.manual_seed(position_seed(seed, position))

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from services.worker.engine.block_manager import BlockManager, PrefixHit
 from services.worker.engine.config import EngineConfig
+from services.worker.engine.itl_target import ItlTarget
 from services.worker.engine.reservation import ReservationLedger
 from services.worker.engine.sequence import Sequence, SequenceStatus
 
@@ -29,8 +30,12 @@ def _chunk(seq: Sequence, start: int, num_tokens: int) -> ScheduledChunk:
 
 @dataclass
 class SchedulerOutput:
+    """One step's chunks, the sequences preempted for it, and the prefill budget the latency target chose
+    (None when none was consulted: no target, no decode running, or no prefill waiting)."""
+
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    itl_budget: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -45,13 +50,21 @@ class Scheduler:
     ledger; ``len(running) <= max_num_seqs``. Each step, running sequences catch up first, in order,
     then waiting ones are admitted, all under ``max_num_batched_tokens``; a media item's tokens are
     scheduled only once its embedding is in ``embeddings``, text before it may go ahead. Prefill tokens
-    (of sequences lacking more than one token) also stay under ``_prefill_budget`` (decode priority).
+    (of sequences lacking more than one token) also stay under ``_prefill_budget`` (decode priority: the
+    smaller of ``prefill_tokens_per_free_seq``'s cap and ``itl_target``'s, each at least one block).
     A later choice of a request starts only once choice 0's full prompt blocks are cached (or choice 0
     ended), and takes them as a prefix hit.
     """
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, embeddings: Container[str]) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        embeddings: Container[str],
+        itl_target: ItlTarget | None = None,
+    ) -> None:
         self.config = config
+        self.itl_target = itl_target
         self.block_manager = block_manager
         self.ledger = ReservationLedger(block_manager, config.overcommit)
         self.embeddings = embeddings
@@ -79,7 +92,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        prefill = self._prefill_budget(budget)
+        prefill = self._prefill_budget(budget, out)
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -97,15 +110,32 @@ class Scheduler:
             self._admit_waiting(budget, prefill, out)
         return out
 
-    def _prefill_budget(self, budget: int) -> int:
-        """Prefill tokens this step may take: all of ``budget``, or with ``prefill_tokens_per_free_seq`` set,
-        that many per sequence slot not decoding this step (at least one block's worth)."""
-        per_slot = self.config.prefill_tokens_per_free_seq
-        if per_slot == 0:
+    def _prefill_budget(self, budget: int, out: SchedulerOutput) -> int:
+        """Prefill tokens this step may take: all of ``budget``, or less by decode priority. With
+        ``prefill_tokens_per_free_seq`` set, that many per sequence slot not decoding this step (at least one
+        block's worth); with an ``itl_target`` and decodes running, at most what the target allows (recorded in
+        ``out.itl_budget``). The smaller of the two wins."""
+        per_slot, target = self.config.prefill_tokens_per_free_seq, self.itl_target
+        if per_slot == 0 and target is None:
             return budget
-        decodes = sum(1 for seq in self.running if seq.num_tokens - seq.num_computed_tokens == 1)
-        free_slots = max(self.config.max_num_seqs - decodes, 0)
-        return max(self.block_manager.block_size, per_slot * free_slots)
+        decodes = prefill_context = decode_context = 0
+        prefilling = bool(self.waiting)
+        for seq in self.running:
+            lacking = seq.num_tokens - seq.num_computed_tokens
+            if lacking == 1:
+                decodes += 1
+                decode_context += seq.num_tokens
+            elif lacking > 1:
+                prefilling = True
+                prefill_context = max(prefill_context, seq.num_computed_tokens)
+        prefill = budget
+        if per_slot:
+            free_slots = max(self.config.max_num_seqs - decodes, 0)
+            prefill = max(self.block_manager.block_size, per_slot * free_slots)
+        if target is not None and decodes and prefilling:
+            out.itl_budget = target.prefill_budget(decodes, decode_context, prefill_context, budget)
+            prefill = min(prefill, out.itl_budget)
+        return prefill
 
     def update(self, out: SchedulerOutput) -> None:
         """After the model ran: the scheduled tokens are computed; publish newly full blocks."""

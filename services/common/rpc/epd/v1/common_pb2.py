@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/common.proto\x12\x06\x65pd.v1\"c\n\x08MediaRef\x12\x0f\n\x07mm_hash\x18\x01 \x01(\t\x12\x10\n\x08modality\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x10\n\x08grid_thw\x18\x05 \x03(\r\":\n\nTensorMeta\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"\xc4\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\t\n\x01n\x18\x08 \x01(\r\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"a\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12\x1f\n\x03top\x18\x04 \x03(\x0b\x32\x12.epd.v1.TopLogprobb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/common.proto\x12\x06\x65pd.v1\"\x95\x01\n\x08MediaRef\x12\x0f\n\x07mm_hash\x18\x01 \x01(\t\x12\x10\n\x08modality\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x10\n\x08grid_thw\x18\x05 \x03(\r\x12\x19\n\x11second_per_grid_t\x18\x06 \x01(\x02\x12\x15\n\rframe_indices\x18\x07 \x03(\r\":\n\nTensorMeta\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"\xc4\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\t\n\x01n\x18\x08 \x01(\r\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"a\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12\x1f\n\x03top\x18\x04 \x03(\x0b\x32\x12.epd.v1.TopLogprobb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epd.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MEDIAREF']._serialized_start=31
-  _globals['_MEDIAREF']._serialized_end=130
-  _globals['_TENSORMETA']._serialized_start=132
-  _globals['_TENSORMETA']._serialized_end=190
-  _globals['_SAMPLINGPARAMS']._serialized_start=193
-  _globals['_SAMPLINGPARAMS']._serialized_end=389
-  _globals['_TOPLOGPROB']._serialized_start=391
-  _globals['_TOPLOGPROB']._serialized_end=453
-  _globals['_TOKENLOGPROB']._serialized_start=455
-  _globals['_TOKENLOGPROB']._serialized_end=552
+  _globals['_MEDIAREF']._serialized_start=32
+  _globals['_MEDIAREF']._serialized_end=181
+  _globals['_TENSORMETA']._serialized_start=183
+  _globals['_TENSORMETA']._serialized_end=241
+  _globals['_SAMPLINGPARAMS']._serialized_start=244
+  _globals['_SAMPLINGPARAMS']._serialized_end=440
+  _globals['_TOPLOGPROB']._serialized_start=442
+  _globals['_TOPLOGPROB']._serialized_end=504
+  _globals['_TOKENLOGPROB']._serialized_start=506
+  _globals['_TOKENLOGPROB']._serialized_end=603
 # @@protoc_insertion_point(module_scope)

@@ -7,18 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class MediaRef(_message.Message):
-    __slots__ = ("mm_hash", "modality", "offset", "num_tokens", "grid_thw")
+    __slots__ = ("mm_hash", "modality", "offset", "num_tokens", "grid_thw", "second_per_grid_t", "frame_indices")
     MM_HASH_FIELD_NUMBER: _ClassVar[int]
     MODALITY_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
+    SECOND_PER_GRID_T_FIELD_NUMBER: _ClassVar[int]
+    FRAME_INDICES_FIELD_NUMBER: _ClassVar[int]
     mm_hash: str
     modality: str
     offset: int
     num_tokens: int
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, mm_hash: _Optional[str] = ..., modality: _Optional[str] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ...) -> None: ...
+    second_per_grid_t: float
+    frame_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, mm_hash: _Optional[str] = ..., modality: _Optional[str] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., second_per_grid_t: _Optional[float] = ..., frame_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TensorMeta(_message.Message):
     __slots__ = ("dtype", "shape", "nbytes")

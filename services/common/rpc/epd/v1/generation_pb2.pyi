@@ -48,18 +48,22 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "text_tokens", "image_tokens", "completion_tokens", "cached_tokens")
+    __slots__ = ("prompt_tokens", "text_tokens", "image_tokens", "completion_tokens", "cached_tokens", "video_tokens", "migrations")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     text_tokens: int
     image_tokens: int
     completion_tokens: int
     cached_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., text_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    video_tokens: int
+    migrations: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., text_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., video_tokens: _Optional[int] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("queue_s", "encode_s", "prefill_s", "first_token_s", "total_s")
@@ -120,17 +124,19 @@ class GenerateResponse(_message.Message):
     def __init__(self, chunk: _Optional[_Union[Chunk, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ...) -> None: ...
 
 class TokenCount(_message.Message):
-    __slots__ = ("prompt_tokens", "text_tokens", "image_tokens", "max_tokens", "projected_tokens", "tokens_per_item")
+    __slots__ = ("prompt_tokens", "text_tokens", "image_tokens", "max_tokens", "projected_tokens", "tokens_per_item", "video_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROJECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_ITEM_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     text_tokens: int
     image_tokens: int
     max_tokens: int
     projected_tokens: int
     tokens_per_item: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, prompt_tokens: _Optional[int] = ..., text_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., projected_tokens: _Optional[int] = ..., tokens_per_item: _Optional[_Iterable[int]] = ...) -> None: ...
+    video_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., text_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., projected_tokens: _Optional[int] = ..., tokens_per_item: _Optional[_Iterable[int]] = ..., video_tokens: _Optional[int] = ...) -> None: ...

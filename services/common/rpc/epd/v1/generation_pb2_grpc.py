@@ -26,7 +26,7 @@ if _version_not_supported:
 
 
 class GenerationStub:
-    """The public API: chat-style generation with images, streamed.
+    """The public API: chat-style generation with images and videos, streamed.
     """
 
     def __init__(self, channel):
@@ -48,7 +48,7 @@ class GenerationStub:
 
 
 class GenerationServicer:
-    """The public API: chat-style generation with images, streamed.
+    """The public API: chat-style generation with images and videos, streamed.
     """
 
     def Generate(self, request, context):
@@ -85,7 +85,7 @@ def add_GenerationServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Generation:
-    """The public API: chat-style generation with images, streamed.
+    """The public API: chat-style generation with images and videos, streamed.
     """
 
     @staticmethod

@@ -1,0 +1,377 @@
+"""Benchmark: text streams decoding through a burst of large images, without and with an inter-token latency target.
+
+Issue 17. Two real clusters (router, encoder, worker on free ports; a database each of one private Redis, so
+each router sees only its own worker) in one invocation: one without a target, one with `EPD_ITL_TARGET_MS`
+(`--itl-target-ms`, default `--target-factor` (2) x the quiet inter-token p99 of the first cluster's first
+episode: the calibration). Each cluster first sends the images
+once with a `cache_salt` of their own (their embeddings are then cached: the bursts measure the worker's
+prefill, not the encoder); then `--bursts` episodes each, alternating between the clusters (no target, target,
+no target, ...: both see the shared box in the same minutes), each with a salt of its own (its prompts miss the
+prefix cache): `--streams` text streams start (eos ignored, `--stream-tokens` each), and once every stream has
+`--quiet-tokens` tokens, `--images` distinct images (`--image-size`) arrive at once with `--image-tokens`
+tokens to generate.
+
+What is measured, at the client (one asyncio process, a channel per request): each token's arrival time. The
+worker sends a step's tokens as they are sampled, one message per request, coalescing only tokens made while
+its event loop was behind (then a k-token message is one gap and k - 1 zero gaps, what a user sees; the count
+of such messages is printed). The quiet gaps are the stream tokens' from a fifth of `--quiet-tokens` to the
+burst, pooled over the episodes; an episode's burst window runs from the images' send to the last image's
+first token (all prefill done), and a gap is in it when it overlaps it. Printed per run: quiet ITL p50/p99,
+burst ITL p50/p99/max, each stream's worst stall per episode, the typical worst stall (per episode the
+median over streams, then the median over episodes), image TTFT p50/max, and total tokens/s: every output
+token that arrived after a burst's send over the time to the episode's last one, summed over episodes (the
+same work in both runs: the streams' remaining tokens and the images). Last line, JSON: `stall_ratio` per run
+(typical worst stall over the run's quiet p99), `throughput_ratio` (tokens/s over the no-target run's), and
+each run's figures.
+
+The model is make_tiny_model's, 256 wide and 4 layers deep by default: a decode step of 8 sequences costs
+~3 ms on one core and a prefill token ~0.1 ms, so a 2048-token step stalls every stream for ~0.2 s. Every
+service gets one torch thread and the priorities `epd up` gives (`--compute-nice` sets the worker's
+`EPD_COMPUTE_NICE`: at 10, as `epd bench admission` runs, another program's load on this shared box took
+the engine thread's core for up to 100 ms in a step planned at 20). The images are JPEGs (~0.2 MB each; a
+PNG of the same noise is 2.7 MB, and eight at once kept the client and the router busy). The load average
+at the end of each run is printed: figures taken while other programs load the box stall in the relay too.
+It takes about two minutes.
+Run: `epd bench burst [--quick] [--itl-target-ms MS]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from services.client import user_request
+from services.common.grpc_server import channel_options
+from services.common.rpc.epd.v1 import generation_pb2_grpc
+from tests.bench.workload import WORDS, percentile
+
+
+@dataclass
+class Stream:
+    """When each token of one request arrived (perf_counter seconds), and how many messages carried several."""
+
+    sent: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    coalesced: int = 0
+
+
+@dataclass(frozen=True)
+class Settings:
+    streams: int
+    images: int
+    image_size: tuple[int, int]
+    quiet_tokens: int
+    stream_tokens: int
+    image_tokens: int
+    bursts: int
+
+
+@dataclass
+class Episode:
+    """One burst: the streams, the images, and when the images were sent."""
+
+    streams: list[Stream]
+    images: list[Stream]
+    burst_at: float
+
+    @property
+    def window_end(self) -> float:
+        """The last image's first token: every image prefilled."""
+        return max(s.token_times[0] for s in self.images)
+
+
+@dataclass
+class RunResult:
+    """One cluster's run: its episodes, and its worker's step-cost metrics at the end."""
+
+    episodes: list[Episode]
+    worker_metrics: str = ""
+    load_average: float = 0.0  # the box's 1-minute load average at the end (other work on it skews everything)
+
+
+def _gaps(times: list[float], start: float, end: float) -> list[tuple[float, float]]:
+    """(gap, its end) for consecutive times whose gap overlaps ``[start, end]``."""
+    return [(b - a, b) for a, b in zip(times, times[1:], strict=False) if b > start and a < end]
+
+
+def summarize(run: RunResult, settings: Settings) -> dict[str, float | list[float]]:
+    """The run's figures (milliseconds, tokens/s) as printed and put in the JSON line: quiet gaps pooled over the
+    episodes; per episode the median over streams of their worst burst stall, and the run's typical one the
+    median over episodes; tokens/s over all episodes' after-burst time."""
+    skip = max(1, settings.quiet_tokens // 5)
+    quiet: list[float] = []
+    burst: list[float] = []
+    worst: list[list[float]] = []
+    worst_at: list[float] = []  # per episode, when (after the burst's send) the streams' worst stall began
+    ttfts: list[float] = []
+    tokens = seconds = 0.0
+    for ep in run.episodes:
+        for s in ep.streams:
+            times = s.token_times[skip:]
+            quiet += [b - a for a, b in zip(times, times[1:], strict=False) if b <= ep.burst_at]
+        gaps = [_gaps(s.token_times, ep.burst_at, ep.window_end) for s in ep.streams]
+        worst_gaps = [max(g, default=(0.0, ep.burst_at)) for g in gaps]
+        worst.append([w for w, _ in worst_gaps])
+        worst_at.append(statistics.median(end - w - ep.burst_at for w, end in worst_gaps))
+        burst += [g for per_stream in gaps for g, _ in per_stream]
+        ttfts += [s.token_times[0] - s.sent for s in ep.images]
+        after = [t for s in ep.streams + ep.images for t in s.token_times if t > ep.burst_at]
+        tokens += len(after)
+        seconds += max(after) - ep.burst_at
+    quiet_p99 = percentile(quiet, 99)
+    stalls = [statistics.median(w) for w in worst]
+    return {
+        "quiet_itl_p50_ms": 1000 * percentile(quiet, 50),
+        "quiet_itl_p99_ms": 1000 * quiet_p99,
+        "quiet_gaps": len(quiet),
+        "burst_itl_p50_ms": 1000 * percentile(burst, 50),
+        "burst_itl_p99_ms": 1000 * percentile(burst, 99),
+        "burst_itl_max_ms": 1000 * max(burst, default=0.0),
+        "burst_window_ms": [round(1000 * (ep.window_end - ep.burst_at)) for ep in run.episodes],
+        "worst_stall_ms": [[round(1000 * w, 1) for w in per_episode] for per_episode in worst],
+        "typical_worst_stall_ms": 1000 * statistics.median(stalls),
+        "worst_stall_began_ms": [round(1000 * t) for t in worst_at],
+        "image_ttft_p50_ms": 1000 * statistics.median(ttfts),
+        "image_ttft_max_ms": 1000 * max(ttfts),
+        "tokens_per_s": tokens / seconds,
+        "coalesced_messages": sum(s.coalesced for ep in run.episodes for s in ep.streams + ep.images),
+        "streams_outlasted_bursts": all(s.token_times[-1] >= ep.window_end for ep in run.episodes for s in ep.streams),
+        "stall_ratio": statistics.median(stalls) / quiet_p99 if quiet_p99 > 0 else float("nan"),
+        "load_average": run.load_average,
+    }
+
+
+async def _consume(
+    stub: generation_pb2_grpc.GenerationStub, request, into: Stream, ready: asyncio.Event | None, quiet_tokens: int
+) -> None:
+    into.sent = time.perf_counter()
+    async for response in stub.Generate(request, timeout=600):
+        if not response.HasField("chunk"):
+            continue
+        now = time.perf_counter()
+        n = len(response.chunk.token_ids)
+        into.token_times.extend([now] * n)
+        into.coalesced += n > 1
+        if ready is not None and len(into.token_times) >= quiet_tokens:
+            ready.set()
+
+
+def _prompt(i: int) -> str:
+    return f"stream {i}: " + " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(16))
+
+
+async def _episode(stubs: list, settings: Settings, images: list[bytes], salt: str) -> Episode:
+    """Streams decode ``quiet_tokens`` tokens, then every image arrives at once; returns when all ended."""
+    streams = [Stream() for _ in range(settings.streams)]
+    ready = [asyncio.Event() for _ in streams]
+    tasks = []
+    for i, stream in enumerate(streams):
+        request = user_request(_prompt(i), max_tokens=settings.stream_tokens, cache_salt=salt)
+        request.sampling.ignore_eos = True
+        tasks.append(asyncio.create_task(_consume(stubs[i], request, stream, ready[i], settings.quiet_tokens)))
+    await asyncio.gather(*(e.wait() for e in ready))
+    burst_at = time.perf_counter()
+    bursts = [Stream() for _ in images]
+    for i, data in enumerate(images):
+        request = user_request(f"image {i}: describe it", [data], max_tokens=settings.image_tokens, cache_salt=salt)
+        request.sampling.ignore_eos = True
+        tasks.append(asyncio.create_task(_consume(stubs[settings.streams + i], request, bursts[i], None, 0)))
+    await asyncio.gather(*tasks)
+    return Episode(streams, bursts, burst_at)
+
+
+class BenchCluster:
+    """A started cluster (a target set or not) with a channel per request and the images' embeddings cached."""
+
+    def __init__(self, cluster: Any, settings: Settings, images: list[bytes]) -> None:
+        self.cluster = cluster
+        self.settings = settings
+        self.images = images
+        options = [*channel_options(), ("grpc.use_local_subchannel_pool", 1)]
+        count = settings.streams + len(images)
+        self.channels = [grpc.aio.insecure_channel(cluster.address, options=options) for _ in range(count)]
+        self.stubs = [generation_pb2_grpc.GenerationStub(c) for c in self.channels]
+        self.result = RunResult([])
+
+    @classmethod
+    async def open(
+        cls, model: Path, redis_url: str, settings: Settings, images: list[bytes], target_ms: float, nice: int
+    ) -> BenchCluster:
+        from services.launch.local import ClusterSpec, start_cluster
+
+        env = {"EPD_COMPUTE_NICE": str(nice), "EPD_ITL_TARGET_MS": str(target_ms), "EPD_HTTP_PORT": "0"}
+        spec = ClusterSpec(model, redis_url=redis_url, free_ports=True, env=env)
+        opened = cls(await asyncio.to_thread(start_cluster, spec), settings, images)
+        try:
+            await asyncio.gather(*(c.channel_ready() for c in opened.channels))
+            warm = []  # the embeddings into the caches; each episode's own salt keeps its prompts out of the KV cache
+            for i, data in enumerate(images):
+                request = user_request(f"warm {i}", [data], max_tokens=1, cache_salt="warm")
+                warm.append(_consume(opened.stubs[settings.streams + i], request, Stream(), None, 0))
+            await asyncio.gather(*warm)
+        except BaseException:
+            await opened.close()
+            raise
+        return opened
+
+    async def episode(self, salt: str) -> None:
+        self.result.episodes.append(await _episode(self.stubs, self.settings, self.images, salt))
+        self.result.load_average = max(self.result.load_average, os.getloadavg()[0])
+
+    async def close(self) -> None:
+        self.result.worker_metrics = _scrape_step_metrics(self.cluster.workers[0].metrics_port)
+        await asyncio.gather(*(c.close() for c in self.channels))
+        await asyncio.to_thread(self.cluster.stop)
+
+
+async def run_both(
+    model: Path, redis_url: str, settings: Settings, images: list[bytes], target_ms: float, factor: float, nice: int
+) -> tuple[RunResult, RunResult, float]:
+    """The no-target cluster's first episode calibrates the target (unless given); then both clusters are up
+    and their episodes alternate, so both see the box in the same minutes. Returns both runs and the target.
+
+    ``redis_url`` names database 0; the clusters take databases 0 and 1 of that server: each its own registry
+    (a router sees only its own worker) and embedding cache."""
+    base = redis_url.rsplit("/", 1)[0]
+    plain = await BenchCluster.open(model, f"{base}/0", settings, images, 0.0, nice)
+    try:
+        await plain.episode("plain-0")
+        if not target_ms:
+            target_ms = round(factor * summarize(plain.result, settings)["quiet_itl_p99_ms"], 1)
+        targeted = await BenchCluster.open(model, f"{base}/1", settings, images, target_ms, nice)
+        try:
+            for k in range(settings.bursts):
+                await targeted.episode(f"target-{k}")
+                if k + 1 < settings.bursts:
+                    await plain.episode(f"plain-{k + 1}")
+        finally:
+            await targeted.close()
+    finally:
+        await plain.close()
+    return plain.result, targeted.result, target_ms
+
+
+def _scrape_step_metrics(port: int) -> str:
+    """The worker's step-cost lines from its Prometheus endpoint (coefficients, chosen budgets)."""
+    if port <= 0:
+        return ""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    wanted = re.compile(r"^epd_step_(cost_coefficient|prefill_budget_tokens_(count|sum)|time_ratio_(count|sum))")
+    return "\n".join(line for line in text.splitlines() if wanted.match(line))
+
+
+def _metric(text: str, name: str) -> float:
+    """The value of an unlabelled (but for OpenTelemetry's scope) sample in a Prometheus text, 0 when absent."""
+    found = re.search(rf"^{name}{{[^}}]*}} (\S+)$", text, flags=re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def _print_run(name: str, figures: dict) -> None:
+    f = figures
+    print(
+        f"{name:9s} quiet ITL p50 {f['quiet_itl_p50_ms']:6.2f} ms p99 {f['quiet_itl_p99_ms']:6.2f} ms | burst ITL "
+        f"p50 {f['burst_itl_p50_ms']:6.2f} p99 {f['burst_itl_p99_ms']:7.2f} max {f['burst_itl_max_ms']:7.2f} ms | "
+        f"typical worst stall {f['typical_worst_stall_ms']:6.1f} ms | image TTFT p50 {f['image_ttft_p50_ms']:.0f} "
+        f"max {f['image_ttft_max_ms']:.0f} ms | {f['tokens_per_s']:.0f} tok/s | stall ratio {f['stall_ratio']:.2f}"
+    )
+    print(
+        f"{name:9s} bursts' prefill windows (ms): {f['burst_window_ms']}; worst stall per stream (ms): "
+        f"{f['worst_stall_ms']}, beginning {f['worst_stall_began_ms']} ms after the burst; messages carrying "
+        f"several tokens: {f['coalesced_messages']}; streams outlasted the bursts: {f['streams_outlasted_bursts']}; "
+        f"load average {f['load_average']:.1f}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="epd bench burst", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--itl-target-ms",
+        type=float,
+        default=0.0,
+        help="the second run's target (default: --target-factor x the first run's quiet p99)",
+    )
+    parser.add_argument("--target-factor", type=float, default=2.0)
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--images", type=int, default=8)
+    parser.add_argument("--image-size", default="1400x1100", help="WIDTHxHEIGHT")
+    parser.add_argument("--quiet-tokens", type=int, default=200, help="tokens per stream before the burst")
+    parser.add_argument("--stream-tokens", type=int, default=650, help="tokens per stream in all")
+    parser.add_argument("--bursts", type=int, default=3, help="episodes per run (streams, then a burst)")
+    parser.add_argument("--image-tokens", type=int, default=16, help="tokens per image request")
+    parser.add_argument("--text-width", type=int, default=256, help="the model's hidden size (multiple of 64)")
+    parser.add_argument("--text-layers", type=int, default=4, help="the model's layers")
+    parser.add_argument("--compute-nice", type=int, default=0, help="the worker engine thread's nice increment")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: tiny model, 2 streams, 2 small images")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.streams, args.images, args.image_size = 2, 2, "448x336"
+        args.quiet_tokens, args.stream_tokens, args.image_tokens, args.bursts = 30, 90, 4, 1
+        args.text_width, args.text_layers = 64, 2
+    width, height = (int(v) for v in args.image_size.lower().split("x"))
+    settings = Settings(
+        args.streams,
+        args.images,
+        (width, height),
+        args.quiet_tokens,
+        args.stream_tokens,
+        args.image_tokens,
+        args.bursts,
+    )
+    from services.launch.local import free_port
+    from services.models.tiny_model import make_tiny_model
+    from tests import media_factory
+    from tests.redis_server import RedisServer
+
+    images = [media_factory.jpeg(width, height, seed=1000 + i) for i in range(args.images)]
+    redis = RedisServer(free_port())
+    redis.start()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            model = make_tiny_model(
+                Path(tmp) / "model", "qwen2-vl", text_width=args.text_width, text_layers=args.text_layers
+            )
+            plain, targeted, target_ms = asyncio.run(
+                run_both(model, redis.url, settings, images, args.itl_target_ms, args.target_factor, args.compute_nice)
+            )
+    finally:
+        redis.stop()
+    base, with_target = summarize(plain, settings), summarize(targeted, settings)
+    _print_run("no target", base)
+    _print_run("target", with_target)
+    print(f"with EPD_ITL_TARGET_MS={target_ms:g}, the worker's step-cost metrics:\n{targeted.worker_metrics}")
+    budgets = _metric(targeted.worker_metrics, "epd_step_prefill_budget_tokens_count")
+    with_target["budgeted_steps"] = budgets
+    budgeted = _metric(targeted.worker_metrics, "epd_step_prefill_budget_tokens_sum")
+    with_target["mean_prefill_budget"] = budgeted / budgets if budgets else 0.0
+    with_target["throughput_ratio"] = with_target["tokens_per_s"] / base["tokens_per_s"]
+    base["throughput_ratio"] = 1.0
+    print(
+        json.dumps(
+            {
+                "itl_target_ms": target_ms,
+                "stall_ratio": {"no_target": base["stall_ratio"], "target": with_target["stall_ratio"]},
+                "throughput_ratio": {"no_target": 1.0, "target": with_target["throughput_ratio"]},
+                "no_target": base,
+                "target": with_target,
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
