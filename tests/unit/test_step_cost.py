@@ -46,6 +46,7 @@ def fitted(seed: int = 1, steps: int = 400, noise: float = 0.05, outliers: float
         if rng.random() < outliers:
             seconds += rng.uniform(0.01, 0.06)
         model.observe(shape, seconds)
+    model.fit()  # observe refits by elapsed time (a loaded box fits less often): end on a fit of every step
     return model
 
 
@@ -97,6 +98,7 @@ def test_a_long_quiet_spell_does_not_forget_what_prefill_costs() -> None:
     for _ in range(2000):  # decode-only steps only, far more than a window
         shape = StepShape(8, 8 * rng.randint(100, 900))
         model.observe(shape, true_cost(shape))
+    model.fit()
     assert model.coefficients[3:] == pytest.approx(prefill, rel=0.2)
 
 
@@ -104,6 +106,7 @@ def test_coefficients_never_go_negative() -> None:
     model = StepCostModel()
     for rows in range(1, 200):  # decode cost falling with rows: least squares alone would go negative
         model.observe(StepShape(rows, 100 * rows), 0.01 - rows * 1e-5)
+    model.fit()
     assert min(model.coefficients) >= 0
     assert model.coefficients[1] == model.coefficients[2] == 0.0  # the constraint held them, not the data
     assert model.predict(StepShape(150, 15000)) == pytest.approx(0.0087, rel=0.05)
@@ -174,7 +177,7 @@ def test_target_plans_under_itself_by_the_recent_overrun() -> None:
     model = fitted(7, outliers=0.1)
     assert model.prefill_overrun > 0
     target = ItlTarget(0.04, model, minimum=16)
-    assert target.planned_s() == pytest.approx(0.04 / (1 + min(model.prefill_overrun, 0.5)))
+    assert target.planned_s() == pytest.approx(0.04 / (1 + min(max(model.prefill_overrun, 0.15), 0.5)))
     budget = target.prefill_budget(8, 8 * 500, 300, 8192)
     assert model.predict(StepShape(8, 8 * 500, budget, budget * (300 + budget))) <= target.planned_s() < 0.04
 
@@ -201,3 +204,12 @@ def test_engine_times_a_step_from_the_last_tokens_while_sequences_decode(loaded:
     engine.step()
     assert timings[-1].shape == StepShape(0, 0, 2, 4) and timings[-1].seconds < 1.0
     assert engine.step_costs.samples == 4
+
+
+def test_observe_refits_once_the_steps_outweigh_the_last_fit() -> None:
+    model = StepCostModel(fit_share=0.5)
+    model.observe(StepShape(8, 800), 1.0)  # a second of steps against a fit of ~0.1 ms: refit now
+    assert model.coefficients != DEFAULT_PRIOR
+    fitted_once = model.coefficients
+    model.observe(StepShape(8, 800), 1e-9)  # far less than the fit took: no refit
+    assert model.coefficients == fitted_once

@@ -138,7 +138,7 @@ class StepCostModel:
         self.relative_error = 0.0
         """The robust spread of the last fit's relative residuals (1.4826 x their median absolute value)."""
         self.prefill_overrun = 0.0
-        """How far the slowest steps with prefill in the window ran over the last fit: the 99th percentile of
+        """How far the slowest step with prefill in the window ran over the last fit: the largest of
         measured / predicted - 1 (at least 0; 0 before any such step)."""
 
     @property
