@@ -22,6 +22,7 @@ from services.common import config as config_lib
 
 def _serve(args: argparse.Namespace) -> int:
     from services.common.service_main import run_until_signalled, setup_logging
+    from services.common.tracing import setup_tracing, shutdown_tracing
     from services.launch.preflight import check_model
     from services.serve import CONFIGS, start_role
 
@@ -30,19 +31,27 @@ def _serve(args: argparse.Namespace) -> int:
     except config_lib.ConfigError as exc:
         raise UserError(f"{exc} (see `epd serve {args.role} --help`)", USAGE) from None
     check_model(Path(config.model))
-    setup_logging(config.log_level)
+    try:
+        setup_logging(config.log_level, args.role, config.log_format)
+        tracing = setup_tracing(args.role)
+    except ValueError as exc:
+        raise UserError(str(exc), USAGE) from None
     if config.torch_threads > 0:
         import torch
 
         torch.set_num_threads(config.torch_threads)
-    asyncio.run(run_until_signalled(lambda: start_role(args.role, config)))
+    try:
+        asyncio.run(run_until_signalled(lambda: start_role(args.role, config)))
+    finally:
+        shutdown_tracing(tracing)
     return 0
 
 
 def _health(args: argparse.Namespace) -> int:
+    from services.common.tls import client_from_env
     from services.launch.health import check
 
-    ok = check(args.address, args.service)
+    ok = check(args.address, args.service, tls=client_from_env(os.environ))
     print("SERVING" if ok else "NOT SERVING")
     return 0 if ok else 1
 

@@ -68,6 +68,17 @@ def add_request_arguments(cmd: argparse.ArgumentParser, *, sampling: bool, timeo
         help=f"deadline of the whole call in seconds (default {timeout_s:g})",
     )
     cmd.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of text")
+    cmd.add_argument(
+        "--api-key",
+        default=os.environ.get("EPD_API_KEY", ""),
+        help="sent as 'authorization: Bearer <key>' (default: $EPD_API_KEY)",
+    )
+    cmd.add_argument(
+        "--tls-ca-file",
+        default="",
+        metavar="PEM",
+        help="connect over TLS, verifying the router's certificate with this CA",
+    )
     if sampling:
         cmd.add_argument("--top-p", type=_unit_float, default=0.0, help="nucleus sampling mass in (0, 1]; 0 is off")
         cmd.add_argument("--top-k", type=_non_negative_int, default=0, help="sample among the k likeliest; 0 is off")
@@ -106,29 +117,53 @@ def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
 
 def read_image(path: Path) -> bytes:
     """The file's bytes when it is there, readable and an image; else a usage error saying which."""
+    data = _read_media(path, "image", IMAGE_KINDS)
+    if sniff_format(data) is None:
+        raise usage_error(f"image file {path} is not an image", f"give {IMAGE_KINDS}")
+    return data
+
+
+def read_video(path: Path) -> bytes:
+    """The file's bytes when it is there, readable and in a video container epd reads (from its magic bytes
+    only: the router checks the streams); else a usage error saying which."""
+    data = _read_media(path, "video", VIDEO_KINDS)
+    if sniff_container(data) is None:
+        raise usage_error(f"video file {path} is not an MP4 or WebM/Matroska file", f"give {VIDEO_KINDS}")
+    return data
+
+
+def _read_media(path: Path, kind: str, kinds: str) -> bytes:
+    """A media file's bytes, not empty; else a usage error naming ``kind`` and the file."""
     if not path.exists():
-        raise usage_error(f"image file {path} not found", "give a path to an existing image")
+        raise usage_error(f"{kind} file {path} not found", f"give a path to an existing {kind}")
     if path.is_dir():
-        raise usage_error(f"image file {path} is a folder", f"give {IMAGE_KINDS}")
+        raise usage_error(f"{kind} file {path} is a folder", f"give {kinds}")
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise usage_error(
-            f"cannot read image file {path}: {exc.strerror}", "check the path and its permissions"
+            f"cannot read {kind} file {path}: {exc.strerror}", "check the path and its permissions"
         ) from None
-    if sniff_format(data) is None:
-        what = "is empty" if not data else "is not an image"
-        raise usage_error(f"image file {path} {what}", f"give {IMAGE_KINDS}")
+    if not data:
+        raise usage_error(f"{kind} file {path} is empty", f"give {kinds}")
     return data
+
+
+def _client(args: argparse.Namespace):  # noqa: ANN202 (services.client imports grpc stubs: imported late)
+    """The router client the flags describe: TLS with `--tls-ca-file`, the key with `--api-key`."""
+    from services.client import Client
+
+    credentials = None
+    if args.tls_ca_file:
+        credentials = grpc.ssl_channel_credentials(Path(args.tls_ca_file).read_bytes())
+    return Client(args.address, credentials, args.api_key)
 
 
 def generate(args: argparse.Namespace) -> int:
     """Stream the answer as text (after a token count), or print it as one JSON object with `--json`."""
-    from services.client import Client
-
     request = build_request(args)
     check_reachable(args.address)
-    with Client(args.address) as client, rpc_errors(args.address, args.timeout):
+    with _client(args) as client, rpc_errors(args.address, args.timeout):
         if not args.json:
             return print_answer(client, request, args.timeout)
         answer = client.generate(request, timeout_s=args.timeout)

@@ -3,6 +3,8 @@
 Every check (device, model folder, every port, Redis) runs before anything starts and raises a one-line
 `UserError`. A service that dies or is not healthy in time during start-up is reported in one line naming its
 log; the temporary log folder is kept then, and removed on every other exit, Ctrl-C and SIGTERM included.
+Once up, `epd up` supervises: a service that exits is started again after a back-off, in one line each
+(services/launch/supervisor.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from services.cli_errors import UserError, failure, one_line
 from services.launch import local
 from services.launch.preflight import DEVICES, check_device, check_model, check_ports, check_redis, resolve_device
+from services.launch.supervisor import Supervisor
 
 DEFAULT_TINY = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "epd" / "tiny-qwen2-vl"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
@@ -120,8 +123,9 @@ def up(args: argparse.Namespace) -> int:
         return _up_ray(args)
     with _sigterm_as_interrupt(), running_cluster(args) as cluster:
         print(f'router (gRPC Generate) at {cluster.address}. Try: epd generate --image FILE "describe"')
-        print("Ctrl-C stops everything.", flush=True)
-        wait_for_stop_signal()
+        print("A service that exits is restarted. Ctrl-C stops everything.", flush=True)
+        with Supervisor(cluster.processes, report=lambda line: print(line, flush=True)):
+            wait_for_stop_signal()
     return 0
 
 

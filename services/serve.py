@@ -1,10 +1,17 @@
-"""Starting one service by role name (what `epd serve <role>` runs)."""
+"""Starting one service by role name (what `epd serve <role>` runs); its stop function drains first.
+
+Stopping (SIGTERM, Ctrl-C) runs the role's drain sequence before closing anything: an encoder or a worker
+leaves the registry, refuses new work and lets in-flight work finish for up to EPD_DRAIN_TIMEOUT_S (a
+worker then ends what is left, and the routers migrate it); a router stops accepting and finishes its
+streams within the same timeout (services/router/server.py). docs/reliability.md has the whole sequence.
+"""
 
 from __future__ import annotations
 
 import gc
 import sys
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from services.common.config import ServiceConfig
 from services.encoder.config import EncoderConfig
@@ -39,8 +46,22 @@ async def _start(role: str, config: ServiceConfig) -> Callable[[], Awaitable[Non
         from services.encoder.server import start_encoder
 
         running = await start_encoder(config)
-        return running.stop
+        return _drain_then_stop(running, config.drain_timeout_s)
     from services.worker.server import start_worker
 
     worker = await start_worker(config)
-    return worker.stop
+    return _drain_then_stop(worker, config.drain_timeout_s)
+
+
+class _Drainable(Protocol):
+    async def drain(self, timeout_s: float) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def _drain_then_stop(running: _Drainable, timeout_s: float) -> Callable[[], Awaitable[None]]:
+    async def stop() -> None:
+        await running.drain(timeout_s)
+        await running.stop()
+
+    return stop

@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 from services.models.base import ChatMessage, ChatPart
+from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions, StepOutput
 from tests import media_factory
@@ -80,3 +81,90 @@ def reference(model_dir: Path, prompt: Prompt, max_tokens: int) -> list[int]:
     from tests.oracle import hf_generate
 
     return hf_generate(model_dir, prompt.messages, prompt.images, max_tokens)
+
+
+BACKENDS = {
+    "kernel": ("cpu-kernel", 16, "off"),
+    "sdpa": ("sdpa", 16, "off"),
+    "flashref16": ("flash-reference", 16, "off"),
+    "flashref256-graphs": ("flash-reference", 256, "eager"),  # decode-only steps padded as the GPU graphs are
+}
+"""The CPU attention paths exactness tests cover: name -> (attention backend, block size, CUDA graph mode)."""
+
+
+def backend_config(backend: str, budget: int, caching: bool) -> EngineConfig:
+    """The engine config of one exactness case: ``BACKENDS[backend]``, a token budget, prefix caching on/off."""
+    name, block_size, graphs = BACKENDS[backend]
+    return EngineConfig(
+        kv_cache_bytes=16 << 20,
+        block_size=block_size,
+        max_num_batched_tokens=budget,
+        max_num_seqs=16,
+        enable_prefix_caching=caching,
+        attention_backend=name,
+        cuda_graphs=graphs,
+        max_model_len=4096,
+    )
+
+
+LONG = "the quick brown fox jumps over the lazy dog while a small cat watches from the warm window " * 3
+
+
+def mixed_workload(adapter: Any, model: Any, model_dir: Path) -> list[tuple[Prompt, int, list[int]]]:
+    """16 prompts of different shapes (text only, one to three images, shared prefixes, a repeated image),
+    their max_tokens, and `generate`'s completion of each alone."""
+    big, small, tall = image(448, 448, 1), image(56, 56, 2), image(90, 300, 3)
+    wide, mid, other = image(300, 200, 4), image(224, 224, 5), image(448, 448, 6)
+    parts: list[list[Any]] = [
+        ["hi"],
+        [LONG],
+        [small, "what is this?"],
+        [big, "describe the picture in detail"],
+        [big, "describe the picture briefly"],  # shares the prefix with the one above, image included
+        [other, "describe the picture in detail"],  # same text, different image
+        [tall, wide, "compare these two"],
+        [mid, small, big, "three images: which is largest?"],
+        ["before the image " + LONG, wide, "and after it"],
+        [LONG + " once more", mid],
+        ["short question?"],
+        [small, small, "twice the same image"],
+        [LONG, tall, LONG],
+        ["count to ten"],
+        [wide, "what colour dominates here, and why do you think so?"],
+        [mid, "a", big, "b", tall, "c"],
+    ]
+    out = []
+    for i, p in enumerate(parts):
+        prompt = build_prompt(adapter, model, p)
+        max_tokens = 6 + (i * 5) % 23
+        out.append((prompt, max_tokens, reference(model_dir, prompt, max_tokens)))
+    return out
+
+
+def run_workload(engine: Engine, workload: list[tuple[Prompt, int, list[int]]]) -> dict[str, Result]:
+    """The requests in groups of four a step apart, half the embeddings late; checks every output equals
+    `generate` and that everything is given back."""
+    results: dict[str, Result] = {}
+    late: list[Prompt] = []
+    for i, (prompt, max_tokens, _) in enumerate(workload):
+        if i % 2:  # half the embeddings arrive before their request, half a few steps after
+            for mm_hash, tensor in prompt.embeddings.items():
+                engine.provide_embedding(mm_hash, tensor)
+        else:
+            late.append(prompt)
+        engine.add_request(prompt.request(f"r{i}", SamplingOptions(max_tokens=max_tokens)))
+        if i % 4 == 3:  # arrivals in groups of four, a step apart
+            collect(engine.step(), results)
+            for prompt in late:
+                for mm_hash, tensor in prompt.embeddings.items():
+                    engine.provide_embedding(mm_hash, tensor)
+            late.clear()
+    drain(engine, results)
+    for i, (_, max_tokens, expected) in enumerate(workload):
+        got = results[f"r{i}"]
+        assert got.tokens == expected, f"request {i} (max_tokens {max_tokens})"
+        assert got.finish_reason == ("length" if len(expected) == max_tokens else "stop")
+    state = engine.kv_state()
+    assert state.free_blocks == state.total_blocks and state.reserved_blocks == 0
+    assert engine.embedding_stats().pinned == 0
+    return results

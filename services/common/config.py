@@ -65,12 +65,14 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """Add one flag per field of the config dataclass `cls` (all default to None = unset)."""
     for field in dataclasses.fields(cls):
         help_text = field.metadata.get("help", "")
-        parser.add_argument(flag_name(field.name), dest=field.name, default=None,
-                            help=f"{help_text} (env {env_name(field.name)})")
+        parser.add_argument(
+            flag_name(field.name), dest=field.name, default=None, help=f"{help_text} (env {env_name(field.name)})"
+        )
 
 
-def load(cls: type[T], args: argparse.Namespace | None = None,
-         env: Mapping[str, str] | None = None, **overrides: Any) -> T:
+def load(
+    cls: type[T], args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None, **overrides: Any
+) -> T:
     """Build `cls` from overrides, parsed flags, then environment, then defaults."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
@@ -123,19 +125,48 @@ class ServiceConfig:
     metrics_port: int = dataclasses.field(default=9400, metadata={"help": "Prometheus port, 0 = off"})
     advertise_addr: str = dataclasses.field(default="", metadata={"help": "host:port others dial"})
     log_level: str = dataclasses.field(default="INFO", metadata={"help": "logging level"})
+    log_format: str = dataclasses.field(
+        default="text", metadata={"help": "text, or json: one object per line with service, request and trace ids"}
+    )
     device: str = dataclasses.field(default="cpu", metadata={"help": "cpu or cuda"})
     dtype: str = dataclasses.field(default="float32", metadata={"help": "float32, bfloat16, float16"})
     torch_threads: int = dataclasses.field(default=0, metadata={"help": "intra-op CPU threads, 0 = torch's default"})
     embedding_cache_bytes: int = dataclasses.field(default=512 << 20, metadata={"help": "in-process LRU"})
     embedding_cache_ttl_s: int = dataclasses.field(default=3600, metadata={"help": "Redis TTL"})
+    drain_timeout_s: float = dataclasses.field(
+        default=30.0, metadata={"help": "on SIGTERM: longest wait for in-flight work before ending it"}
+    )
+    tls_cert_file: str = dataclasses.field(default="", metadata={"help": "this service's certificate (PEM)"})
+    tls_key_file: str = dataclasses.field(default="", metadata={"help": "its private key (PEM)"})
+    tls_ca_file: str = dataclasses.field(default="", metadata={"help": "the cluster CA: mTLS on every hop"})
+    tls_server_name: str = dataclasses.field(
+        default="", metadata={"help": "name every internal server certificate carries (default: the dialed host)"}
+    )
+    cache_hmac_key_file: str = dataclasses.field(
+        default="", metadata={"help": "cluster key that signs embedding cache entries"}
+    )
 
     def validate(self) -> None:
         if not self.model:
             raise ConfigError(f"{env_name('model')} / {flag_name('model')}: a model folder is required")
+        if self.log_format not in {"text", "json"}:
+            raise ConfigError(f"{env_name('log_format')}: {self.log_format!r} is not text or json")
         if self.dtype not in {"float32", "bfloat16", "float16"}:
             raise ConfigError(f"{env_name('dtype')}: unknown dtype {self.dtype!r}")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"{env_name('port')}: {self.port} is not a port")
+        if self.drain_timeout_s < 0:
+            raise ConfigError(f"{env_name('drain_timeout_s')} must not be negative, got {self.drain_timeout_s}")
+        tls = {name: getattr(self, name) for name in ("tls_cert_file", "tls_key_file", "tls_ca_file")}
+        if any(tls.values()) and not all(tls.values()):
+            missing = ", ".join(env_name(name) for name, value in tls.items() if not value)
+            raise ConfigError(
+                f"TLS needs all three of EPD_TLS_CERT_FILE, EPD_TLS_KEY_FILE, EPD_TLS_CA_FILE; {missing} unset"
+            )
+        for name in (*tls, "cache_hmac_key_file"):
+            path = getattr(self, name)
+            if path and not os.path.isfile(path):
+                raise ConfigError(f"{env_name(name)}: {path} is not a readable file")
 
     @property
     def address(self) -> str:

@@ -5,7 +5,9 @@ dtype and shape) followed by the raw tensor bytes. Invariants: the LRU never hol
 `max_bytes`; items over `max_item_bytes` are never stored in either tier; a Redis error or
 timeout is a miss (counted), never an exception to the caller. After a Redis failure the
 cache skips Redis for `retry_after_s`, so an outage costs one timeout, not one per request,
-and resumes by itself when Redis answers again.
+and resumes by itself when Redis answers again. With a `signer` (services/common/cache_hmac.py)
+every Redis value carries an HMAC tag; a value whose tag does not verify is a miss (counted as
+`bad_tag`) in `get` and in `contains`, so a poisoned entry is never used and gets encoded again.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import redis
 import torch
 
 from services.common import tensor_codec
+from services.common.cache_hmac import CacheSigner
 
 log = logging.getLogger(__name__)
 _MAGIC = b"EPDE1\n"
@@ -49,13 +52,19 @@ class CacheSettings:
     ttl_s: int = 3600
     socket_timeout_s: float = 0.25
     retry_after_s: float = 1.0
+    signer: CacheSigner | None = None  # None: Redis values are not signed
 
     @classmethod
-    def for_service(cls, config: Any, revision: str) -> CacheSettings:
-        """A service's cache from its `EPD_REDIS_URL`, `EPD_EMBEDDING_CACHE_BYTES` and `EPD_EMBEDDING_CACHE_TTL_S`."""
-        return cls(
-            config.redis_url, revision, max_bytes=config.embedding_cache_bytes, ttl_s=config.embedding_cache_ttl_s
-        )
+    def for_service(cls, config: Any, revision: str, **overrides: Any) -> CacheSettings:
+        """A service's cache from its `EPD_REDIS_URL`, `EPD_EMBEDDING_CACHE_BYTES`, `EPD_EMBEDDING_CACHE_TTL_S`
+        and `EPD_CACHE_HMAC_KEY_FILE`."""
+        settings = {
+            "max_bytes": config.embedding_cache_bytes,
+            "ttl_s": config.embedding_cache_ttl_s,
+            "signer": CacheSigner.from_file(getattr(config, "cache_hmac_key_file", "")),
+            **overrides,
+        }
+        return cls(config.redis_url, revision, **settings)
 
 
 def pack(tensor: torch.Tensor) -> bytes:

@@ -9,6 +9,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.rpc_context import ServerContextInterceptor
+
 MAX_MESSAGE_BYTES = 64 << 20  # requests carry inline images; embeddings still move in ~1 MiB chunks
 
 
@@ -36,20 +38,35 @@ class RunningServer:
         await self.server.stop(grace_s)
 
 
-async def start_server(host: str, port: int, bindings: Sequence[ServiceBinding]) -> RunningServer:
-    """Start a server on host:port (port 0 picks a free one) with health and reflection."""
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.so_reuseport", 0),
-    ])
+async def start_server(
+    host: str,
+    port: int,
+    bindings: Sequence[ServiceBinding],
+    credentials: grpc.ServerCredentials | None = None,
+    echo_request_id: bool = False,
+) -> RunningServer:
+    """Start a server on host:port (port 0 picks a free one) with health and reflection; over TLS when
+    `credentials` (services/common/tls.py), else plaintext. Health and reflection share the port and its TLS.
+    Every method runs with the caller's trace context and request id bound (services/common/rpc_context.py);
+    `echo_request_id` sends a client's `x-request-id` back (the public API)."""
+    server = grpc.aio.server(
+        interceptors=[ServerContextInterceptor(echo=echo_request_id)],
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
     for binding in bindings:
         binding.add(binding.servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [b.name for b in bindings]
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if credentials is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
     await server.start()

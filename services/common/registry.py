@@ -23,6 +23,11 @@ log = logging.getLogger(__name__)
 PREFIX = "epd:reg"
 
 
+def draining_role(role: str) -> str:
+    """The role a draining service of `role` publishes under: alive, but taking no new work."""
+    return f"{role}-draining"
+
+
 @dataclass(frozen=True)
 class Member:
     """One service as it last described itself."""
@@ -114,6 +119,14 @@ class Heartbeat:
             state = self._state()
             await asyncio.to_thread(self._registry.publish, self._role, self._address, self._revision, state)
             await asyncio.sleep(self._interval_s)
+
+    async def move_to(self, role: str) -> None:
+        """Publish under `role` from now on, leaving the current role at once (a draining service moves to
+        `<role>-draining`: routers send it nothing new but still see it alive)."""
+        old, self._role = self._role, role
+        await asyncio.to_thread(self._registry.withdraw, old, self._address)
+        await asyncio.to_thread(self._registry.publish, role, self._address, self._revision, self._state())
+        await asyncio.to_thread(self._registry.withdraw, old, self._address)  # a publish in flight may have landed
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -10,12 +10,12 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
+from services.common import logs
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+
+def setup_logging(level: str, service: str = "epd", fmt: str | None = None) -> None:
+    """Logging for a service process: text or JSON lines (`fmt`, else `EPD_LOG_FORMAT`; services/common/logs.py)."""
+    logs.setup_logging(level, service, fmt)
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -23,11 +23,19 @@ def dtype_of(name: str) -> torch.dtype:
 
 
 async def run_until_signalled(start: Callable[[], Awaitable[Callable[[], Awaitable[None]]]]) -> None:
-    """Await `start()` (which returns an async stop function), then wait for SIGINT/SIGTERM."""
+    """Await `start()` (which returns an async stop function, a drain for the services), then wait for
+    SIGINT/SIGTERM and stop. A second signal while stopping ends the process at once (exit code 1)."""
     stop_event = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def signalled() -> None:
+        if stop_event.is_set():
+            logging.getLogger(__name__).warning("second signal while draining: exiting now")
+            os._exit(1)
+        stop_event.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop_event.set)
+        loop.add_signal_handler(sig, signalled)
     stop = await start()
     await stop_event.wait()
     await stop()

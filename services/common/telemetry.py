@@ -8,6 +8,10 @@ Histograms get explicit buckets by name (`HISTOGRAM_VIEWS`): `*_seconds` from 1 
 roughly log-spaced; `*batch_size` (items) and `*_tokens` / `*_bytes` in powers of two or four.
 Each Telemetry has its own Prometheus registry (its instruments plus the process and Python
 collectors), so two services in one process never mix their endpoints.
+
+Invariants of the endpoint: every `epd_*` sample carries a `model_name` label (the served model's
+name, as vLLM's), no sample carries `otel_scope_*` labels, and every family has HELP text (an
+instrument created without a description is a bug; tests/deploy/test_metrics_live.py checks it).
 """
 
 from __future__ import annotations
@@ -24,9 +28,35 @@ from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector,
 
 log = logging.getLogger(__name__)
 
+MODEL_LABEL = "model_name"
+
 SECONDS_BUCKETS: tuple[float, ...] = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.35, 0.5, 0.75,
-    1.0, 1.5, 2.5, 4.0, 6.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0)
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.25,
+    0.35,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.5,
+    4.0,
+    6.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    45.0,
+    60.0,
+    120.0,
+)
 BATCH_SIZE_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKEN_BUCKETS: tuple[float, ...] = tuple(float(2**k) for k in range(4, 19))  # 16 .. 262144
 BYTE_BUCKETS: tuple[float, ...] = tuple(float(4**k) for k in range(5, 16))  # 1 KiB .. 1 GiB
@@ -42,23 +72,34 @@ HISTOGRAM_VIEWS: dict[str, Sequence[float]] = {
 
 def histogram_views() -> list[View]:
     """One View per `HISTOGRAM_VIEWS` pattern, for histograms only."""
-    return [View(instrument_type=Histogram, instrument_name=pattern,
-                 aggregation=ExplicitBucketHistogramAggregation(boundaries=list(bounds)))
-            for pattern, bounds in HISTOGRAM_VIEWS.items()]
+    return [
+        View(
+            instrument_type=Histogram,
+            instrument_name=pattern,
+            aggregation=ExplicitBucketHistogramAggregation(boundaries=list(bounds)),
+        )
+        for pattern, bounds in HISTOGRAM_VIEWS.items()
+    ]
 
 
 class Telemetry:
     """Owns the service's MeterProvider, its registry and, when `metrics_port` > 0, its HTTP endpoint."""
 
-    def __init__(self, service: str, metrics_host: str = "127.0.0.1", metrics_port: int = 0) -> None:
+    def __init__(
+        self, service: str, metrics_host: str = "127.0.0.1", metrics_port: int = 0, model_name: str = ""
+    ) -> None:
         self.service = service
         self.registry = CollectorRegistry(auto_describe=True)
         for collector in (ProcessCollector, PlatformCollector, GCCollector):
             collector(registry=self.registry)
-        reader = PrometheusMetricReader(registry=self.registry)
+        # the resource's model_name becomes a label of every sample; scope labels are dropped
+        reader = PrometheusMetricReader(
+            registry=self.registry, scope_info_enabled=False, resource_attribute_filter=lambda key: key == MODEL_LABEL
+        )
         self._provider = MeterProvider(
-            metric_readers=[reader], views=histogram_views(),
-            resource=Resource.create({"service.name": f"epd-{service}"}),
+            metric_readers=[reader],
+            views=histogram_views(),
+            resource=Resource.create({"service.name": f"epd-{service}", MODEL_LABEL: model_name}),
         )
         self.meter: Meter = self._provider.get_meter(f"epd.{service}")
         self._http = None

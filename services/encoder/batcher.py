@@ -28,6 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from opentelemetry import trace
+from opentelemetry.context import Context
+
+from services.common.tracing import tracer
 
 EncodeFn = Callable[[list[Any]], Sequence[torch.Tensor]]
 
@@ -60,14 +64,21 @@ class _Queued:
     item: BatchItem
     future: asyncio.Future[torch.Tensor]
     enqueued_at: float = field(default_factory=time.monotonic)
+    # the submitter's span (its request's `encode`): the batch's span links to it
+    span_context: trace.SpanContext = field(default_factory=lambda: trace.get_current_span().get_span_context())
 
 
 class Batcher:
     """See the module docstring. Create, `start()` inside the event loop, `await close()` at the end."""
 
-    def __init__(self, encode: EncodeFn, max_tokens: int, max_wait_s: float,
-                 on_batch: Callable[[BatchStats], None] | None = None,
-                 thread_initializer: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        encode: EncodeFn,
+        max_tokens: int,
+        max_wait_s: float,
+        on_batch: Callable[[BatchStats], None] | None = None,
+        thread_initializer: Callable[[], None] | None = None,
+    ) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if max_wait_s < 0:
@@ -82,8 +93,9 @@ class Batcher:
         self._running_tokens = 0
         self._running: list[_Queued] = []
         self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vision-tower",
-                                            initializer=thread_initializer)
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="vision-tower", initializer=thread_initializer
+        )
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -189,18 +201,23 @@ class Batcher:
         tokens = sum(entry.item.tokens for entry in batch)
         start = time.perf_counter()
         loop = asyncio.get_running_loop()
-        try:
-            results = await loop.run_in_executor(self._executor, self._encode, inputs)
-            if len(results) != len(batch):
-                raise RuntimeError(f"encode returned {len(results)} embeddings for {len(batch)} items")
-        except Exception:
-            self._on_batch(BatchStats(len(batch), tokens, time.perf_counter() - start, ok=False))
-            raise
+        links = [trace.Link(entry.span_context) for entry in batch if entry.span_context.is_valid]
+        attributes = {"epd.batch_size": len(batch), "epd.encoder_tokens": tokens}
+        # one tower call serves several requests: its own span, linked to each item's `encode` span
+        with tracer().start_as_current_span("encode.batch", context=Context(), links=links, attributes=attributes):
+            try:
+                results = await loop.run_in_executor(self._executor, self._encode, inputs)
+                if len(results) != len(batch):
+                    raise RuntimeError(f"encode returned {len(results)} embeddings for {len(batch)} items")
+            except Exception:
+                self._on_batch(BatchStats(len(batch), tokens, time.perf_counter() - start, ok=False))
+                raise
         self._on_batch(BatchStats(len(batch), tokens, time.perf_counter() - start, ok=True))
         return results
 
-    def _finish(self, entry: _Queued, *, tensor: torch.Tensor | None = None,
-                error: BaseException | None = None) -> None:
+    def _finish(
+        self, entry: _Queued, *, tensor: torch.Tensor | None = None, error: BaseException | None = None
+    ) -> None:
         self._by_hash.pop(entry.item.mm_hash, None)
         if entry.future.done():
             return

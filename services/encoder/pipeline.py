@@ -34,6 +34,7 @@ from services.common.embedding_cache import EmbeddingCache
 from services.common.media import MediaError, MediaReason
 from services.common.priority import lower_priority
 from services.common.rpc.epd.v1 import encoder_pb2
+from services.common.tracing import StageSpans
 from services.common.transport_grpc import Embedding
 from services.encoder.batcher import Batcher, BatchItem
 from services.encoder.inflight_lock import InflightLocks
@@ -141,12 +142,14 @@ class Pipeline:
         if item.ref.modality == "video":
             return await self._encode_video(slot, index, item, ticket)
         parts = self._parts
+        stages = StageSpans()  # encode.preprocess, encode.tower under the Encode call's span
         decoded = await asyncio.wrap_future(ticket.use_slot(slot).submit(item.data, parts.settings, index=index))
         image = decoded.image()
         start = time.perf_counter()
         inputs = await self._off(self._cpu, parts.runner.prepare, image)
         parts.metrics.preprocess_seconds.record(decoded.decode_s + time.perf_counter() - start)
         tokens = parts.adapter.image_tokens(image.width, image.height).num_tokens
+        stages.mark("encode.preprocess", {"epd.decode_s": decoded.decode_s, "epd.encoder_tokens": tokens})
         if item.ref.num_tokens and item.ref.num_tokens != tokens:
             raise MediaError(
                 f"the router counted {item.ref.num_tokens} tokens for this image, the encoder "
@@ -155,6 +158,7 @@ class Pipeline:
                 index=index,
             )
         embedding: ItemEmbedding = await parts.batcher.submit(BatchItem(item.ref.mm_hash, tokens, inputs))
+        stages.mark("encode.tower", {"epd.encoder_tokens": tokens})  # waiting for a tower call, and the call
         await self._off(self._io, self._cache_write, item.ref.mm_hash, embedding)
         return embedding
 

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from services.common import grpc_server, tensor_codec
+from services.common import tensor_codec
 from services.common.rpc.epd.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.tls import ClientTls, Dialer
 from services.common.transport_dist import (
     ENCODER_RANK,
     DistError,
@@ -55,20 +56,16 @@ class PushResult:
 
 
 class Channels:
-    """One gRPC channel per worker address, closed together."""
+    """One gRPC channel per worker address (mTLS when `tls`: services/common/tls.py), closed together."""
 
-    def __init__(self) -> None:
-        self._channels: dict[str, grpc.aio.Channel] = {}
+    def __init__(self, tls: ClientTls | None = None) -> None:
+        self._dialer = Dialer(tls)
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
-        if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=grpc_server.channel_options())
-        return worker_pb2_grpc.WorkerStub(self._channels[address])
+        return worker_pb2_grpc.WorkerStub(self._dialer.channel(address))
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
+        await self._dialer.close()
 
 
 async def push_grpc(channels: Channels, address: str, embeddings: list[Embedding], timeout_s: float) -> int:

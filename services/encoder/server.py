@@ -7,7 +7,9 @@ gRPC statuses, and wires the parts, the registry heartbeat and the metrics toget
 Invariants: a bad item fails its request with INVALID_ARGUMENT naming the item; overload is
 RESOURCE_EXHAUSTED at once with `retry-after-ms` trailing metadata; a push that fails on both
 transports is UNAVAILABLE naming the worker; past the request's deadline it is DEADLINE_EXCEEDED.
-Nothing here waits without a bound; the server keeps serving after any single failure.
+Nothing here waits without a bound; the server keeps serving after any single failure. On SIGTERM
+(`RunningEncoder.drain`) it leaves the registry and refuses new calls with UNAVAILABLE (the router fails
+over to another encoder) while the calls it holds finish, for up to the drain timeout.
 """
 
 from __future__ import annotations
@@ -17,19 +19,24 @@ import functools
 import gc
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry import trace
 
-from services.common import grpc_server
+from services.common import grpc_server, tls
+from services.common.drain import Drain
 from services.common.embedding_cache import CacheSettings, EmbeddingCache
+from services.common.hashing import canonical_json
 from services.common.media import MediaError, MediaLimits
+from services.common.media_types import VideoLimits
 from services.common.model_info import load_model_info
 from services.common.priority import lower_priority
 from services.common.registry import Heartbeat, Registry
 from services.common.rpc.epd.v1 import encoder_pb2, encoder_pb2_grpc
 from services.common.service_main import dtype_of
 from services.common.telemetry import Telemetry
+from services.common.tracing import tracer
 from services.encoder.batcher import Batcher, BatcherClosed
 from services.encoder.config import EncoderConfig
 from services.encoder.inflight_lock import InflightLocks
@@ -53,12 +60,37 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         self._pusher = pusher
         self._metrics = metrics
         self._transfer_timeout_s = transfer_timeout_s
+        self.drain = Drain()
 
     async def _fail(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, reason: str, message: str) -> None:
         self._metrics.rejections.add(1, {"reason": reason})
+        trace.get_current_span().set_attribute("epd.refusal.reason", reason)
         await context.abort(code, message)
 
     async def Encode(
+        self,
+        request: encoder_pb2.EncodeRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> encoder_pb2.EncodeResponse:
+        if not self.drain.enter():
+            await self._fail(context, grpc.StatusCode.UNAVAILABLE, "shutdown", "encoder is draining")
+        try:
+            with tracer().start_as_current_span("encode", kind=trace.SpanKind.SERVER) as span:
+                span.set_attributes(
+                    {
+                        "epd.items": len(request.items),
+                        "epd.encoder_tokens": sum(item.ref.num_tokens for item in request.items),
+                        "epd.destination": request.destination,
+                    }
+                )
+                response = await self._encode(request, context)
+                span.set_attribute("epd.encoded", response.encoded)
+                span.set_attribute("epd.cache_hits", response.cached)
+                return response
+        finally:
+            self.drain.leave()
+
+    async def _encode(
         self,
         request: encoder_pb2.EncodeRequest,
         context: grpc.aio.ServicerContext,
@@ -86,7 +118,17 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             timeout = max(0.1, min(self._transfer_timeout_s, remaining))
             try:
                 device = self._pusher.device  # the GPU for dist over NCCL: fresh embeddings go from there
-                await self._pusher.push(request.destination, [o.for_device(device) for o in outcomes], timeout)
+                with tracer().start_as_current_span("embedding_push", kind=trace.SpanKind.CLIENT) as span:
+                    embeddings = [o.for_device(device) for o in outcomes]
+                    pushed = await self._pusher.push(request.destination, embeddings, timeout)
+                    span.set_attributes(
+                        {
+                            "epd.push.bytes": pushed.bytes,
+                            "epd.push.transport": pushed.transport,
+                            "epd.push.fell_back": pushed.fell_back,
+                            "epd.push.items": len(outcomes),
+                        }
+                    )
             except PushError as exc:
                 await self._fail(context, grpc.StatusCode.UNAVAILABLE, "push", str(exc))
         encoded = sum(1 for o in outcomes if o.source == "encoded")
@@ -118,10 +160,19 @@ class RunningEncoder:
     pusher: Pusher
     telemetry: Telemetry
     closers: tuple = ()
+    in_flight: Drain = field(default_factory=Drain)  # the servicer's: Encode calls being served
 
     @property
     def port(self) -> int:
         return self.server.port
+
+    async def drain(self, timeout_s: float) -> None:
+        """SIGTERM: leave the registry, refuse new calls, let the calls held finish (up to `timeout_s`)."""
+        self.in_flight.start()
+        await self.server.health.enter_graceful_shutdown()
+        await self.heartbeat.stop()
+        if not await self.in_flight.wait_idle(timeout_s):
+            log.warning("drain: %d Encode call(s) still running after %.1fs", self.in_flight.in_flight, timeout_s)
 
     async def stop(self) -> None:
         await self.heartbeat.stop()
@@ -136,12 +187,22 @@ class RunningEncoder:
 
 
 def _pusher(config: EncoderConfig, metrics: EncoderMetrics) -> Pusher:
-    channels = Channels()
+    channels = Channels(tls.internal_client(config))
     dist = None
     if config.embedding_transport == "dist":
+        if tls.internal_tls(config) is not None:
+            log.warning("EPD_EMBEDDING_TRANSPORT=dist: embedding bytes move over %s without TLS", config.dist_backend)
         hostname = config.address.rpartition(":")[0] or config.host
         dist = DistPush(channels, config.dist_backend, hostname, config.transfer_timeout_s, device=config.device)
     return Pusher(config.embedding_transport, dist, channels, on_result=metrics.record_push)
+
+
+def _video_path(config: EncoderConfig, adapter: ModelAdapter, metrics: EncoderMetrics) -> VideoPath:
+    """The video path's settings: the router applies the frame and duration policy from the header; the
+    encoder re-reads the header with the pixel cap and a generous frame bound, and bounds decoding by time."""
+    limits = VideoLimits(config.max_video_frame_pixels, max_frames=1_000_000, max_seconds=86_400.0)
+    cache = PreprocessCache(config.preprocess_cache_bytes, on_event=metrics.preprocess_cache_event)
+    return VideoPath(canonical_json(adapter.processor_settings()), limits, config.video_decode_timeout_s, cache)
 
 
 async def _warm_up(runner: VisionRunner, batcher: Batcher) -> None:
@@ -157,7 +218,7 @@ async def start_encoder(config: EncoderConfig) -> RunningEncoder:
     """Load the model, start the pool, batcher and heartbeat, and serve `Encoder`."""
     info = load_model_info(config.model)
     model = info.adapter.load_model(device=config.device, dtype=dtype_of(config.dtype))
-    telemetry = Telemetry("encoder", config.host, config.metrics_port)
+    telemetry = Telemetry("encoder", config.host, config.metrics_port, info.model_dir.resolve().name)
     metrics = EncoderMetrics.create(telemetry.meter)
     cache = EmbeddingCache(
         CacheSettings.for_service(config, info.identity.revision),
@@ -196,7 +257,9 @@ async def start_encoder(config: EncoderConfig) -> RunningEncoder:
     metrics.observe_load(admission.snapshot)
     servicer = EncoderServicer(pipeline, pusher, metrics, config.transfer_timeout_s)
     binding = grpc_server.ServiceBinding(encoder_pb2_grpc.add_EncoderServicer_to_server, servicer, "epd.v1.Encoder")
-    running = await grpc_server.start_server(config.host, config.port, [binding])
+    running = await grpc_server.start_server(
+        config.host, config.port, [binding], tls.internal_server_credentials(config)
+    )
     address = config.advertise_addr or f"{config.host}:{running.port}"
     registry = Registry(config.redis_url, ttl_s=max(1.0, 5 * config.heartbeat_interval_s))
     heartbeat = Heartbeat(
@@ -218,5 +281,13 @@ async def start_encoder(config: EncoderConfig) -> RunningEncoder:
         config.embedding_transport,
     )
     return RunningEncoder(
-        running, heartbeat, batcher, pipeline, pool, pusher, telemetry, (cache.close, locks.close, registry.close)
+        running,
+        heartbeat,
+        batcher,
+        pipeline,
+        pool,
+        pusher,
+        telemetry,
+        (cache.close, locks.close, registry.close),
+        in_flight=servicer.drain,
     )

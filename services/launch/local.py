@@ -22,6 +22,7 @@ from pathlib import Path
 
 import redis
 
+from services.common.tls import client_from_env
 from services.launch.health import check
 
 ROUTER_PORT, ENCODER_PORT, WORKER_PORT, METRICS_PORT, HTTP_PORT = 50051, 50061, 50071, 9400, 8000
@@ -275,7 +276,7 @@ def _wait_ready(processes: list[Process], timeout_s: float, on_ready: Callable[[
             code = process.popen.poll()
             if code is not None:
                 raise _NotReady(process, f"exited with code {code} during start-up")
-            if check(process.address, timeout_s=1.0):
+            if check(process.address, timeout_s=1.0, tls=client_from_env({**os.environ, **process.env})):
                 pending.remove(process)
                 on_ready(process)
         if pending and time.monotonic() >= deadline:

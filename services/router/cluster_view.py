@@ -5,7 +5,9 @@ kept (a worker that died meanwhile is found out by its refused connection), so a
 does not stop placement. Admissions this router made since a worker's last heartbeat are added
 to that worker's reserved blocks (and its requests that ended since are subtracted), so neither a
 burst nor a heartbeat's lag skews the view (the worker still decides atomically; this only keeps
-the router's ranking and its immediate refusals honest).
+the router's ranking and its immediate refusals honest). Draining workers (services/common/drain.py) are
+not placed on, but count as present: `absent_for` measures how long a worker has been missing from both
+lists while Redis answered, which is how a migration notices a worker that vanished without a word.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import math
 import time
 from dataclasses import dataclass
 
-from services.common.registry import Member, Registry
+from services.common.registry import Member, Registry, draining_role
 
 log = logging.getLogger(__name__)
+FORGET_AFTER_S = 600.0  # a worker missing this long is forgotten (addresses come and go)
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,8 @@ class ClusterView:
     async def refresh(self) -> None:
         workers = await asyncio.to_thread(self._registry.members, "worker", self._revision)
         encoders = await asyncio.to_thread(self._registry.members, "encoder", self._revision)
+        draining = await asyncio.to_thread(self._registry.members, draining_role("worker"), self._revision)
+        self._note_absences(workers, draining)
         if workers is not None:
             self._workers = workers
         if encoders is not None:
@@ -117,12 +122,36 @@ class ClusterView:
         for member in self._workers:
             state = member.state
             pending = sum(p.blocks for p in self._pending if p.worker == member.address)
-            out.append(WorkerView(
-                address=member.address, total_blocks=int(state["total_blocks"]),
-                capacity_blocks=int(state.get("capacity_blocks", state["total_blocks"])),
-                reserved_blocks=max(0, int(state["reserved_blocks"]) + pending), running=int(state["running"]),
-                waiting=int(state["waiting"]), block_size=int(state["block_size"])))
+            out.append(
+                WorkerView(
+                    address=member.address,
+                    total_blocks=int(state["total_blocks"]),
+                    capacity_blocks=int(state.get("capacity_blocks", state["total_blocks"])),
+                    reserved_blocks=max(0, int(state["reserved_blocks"]) + pending),
+                    running=int(state["running"]),
+                    waiting=int(state["waiting"]),
+                    block_size=int(state["block_size"]),
+                )
+            )
         return out
+
+    def _note_absences(self, workers: list[Member] | None, draining: list[Member] | None) -> None:
+        """Count the time each known worker is missing between two answered refreshes (an outage of Redis, or
+        a refresh it did not answer, adds nothing: right after Redis restarts nobody is missing yet)."""
+        if workers is None or draining is None:
+            self._answered_at = None
+            return
+        now = time.monotonic()
+        step = now - self._answered_at if self._answered_at is not None else 0.0
+        listed = {m.address for m in [*workers, *draining]}
+        self._absent = {a: t + step for a, t in self._absent.items() if a not in listed and t < FORGET_AFTER_S}
+        self._absent.update(dict.fromkeys(listed, 0.0))
+        self._answered_at = now
+
+    def absent_for(self, worker: str) -> float:
+        """Seconds `worker` has been missing from the registry (live or draining), counting only time between
+        refreshes Redis answered; 0 while it is listed, or when this router never saw it listed."""
+        return self._absent.get(worker, 0.0)
 
     def encoders(self) -> list[EncoderView]:
         return [EncoderView(m.address, int(m.state.get("queued_tokens", 0))) for m in self._encoders]

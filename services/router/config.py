@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from services.common.config import ConfigError, ServiceConfig, env_name, require_positive
+from services.common.tls import TlsFiles
 
 
 @dataclasses.dataclass
@@ -43,6 +45,29 @@ class RouterConfig(ServiceConfig):
     )
     request_timeout_s: float = dataclasses.field(default=120.0, metadata={"help": "per-request deadline"})
     encode_timeout_s: float = dataclasses.field(default=60.0, metadata={"help": "encoder call deadline"})
+    migration_limit: int = dataclasses.field(
+        default=3, metadata={"help": "times one request may move to another worker when its worker fails"}
+    )
+    public_tls_cert_file: str = dataclasses.field(
+        default="", metadata={"help": "public listeners' certificate (default: EPD_TLS_CERT_FILE)"}
+    )
+    public_tls_key_file: str = dataclasses.field(default="", metadata={"help": "its private key"})
+    public_tls_client_ca_file: str = dataclasses.field(
+        default="", metadata={"help": "require public clients' certificates signed by this CA"}
+    )
+    api_keys_file: str = dataclasses.field(default="", metadata={"help": "'<tenant> <sha256 of key>' lines"})
+    tenant_limits_file: str = dataclasses.field(default="", metadata={"help": "per-tenant limits"})
+    share_embeddings_across_tenants: bool = dataclasses.field(
+        default=False, metadata={"help": "one embedding cache entry per image for every tenant"}
+    )
+
+    def public_tls(self) -> TlsFiles | None:
+        """The public listeners' TLS (gRPC and HTTP): their own pair or the cluster's; client certificates
+        only with EPD_PUBLIC_TLS_CLIENT_CA_FILE. None: plaintext."""
+        cert, key = self.public_tls_cert_file, self.public_tls_key_file
+        if not cert and self.tls_cert_file and self.tls_key_file and self.tls_ca_file:
+            cert, key = self.tls_cert_file, self.tls_key_file
+        return TlsFiles(cert, key, self.public_tls_client_ca_file) if cert else None
 
     def validate(self) -> None:
         super().validate()
@@ -66,7 +91,28 @@ class RouterConfig(ServiceConfig):
             require_positive(name, getattr(self, name))
         if not 0 <= self.http_port < 65536:
             raise ConfigError(f"{env_name('http_port')}: {self.http_port} is not a port (0 turns HTTP off)")
+        self._validate_security()
+        if self.migration_limit < 0:
+            raise ConfigError(f"{env_name('migration_limit')} must not be negative, got {self.migration_limit}")
         if self.prefix_affinity_weight < 0:
             raise ConfigError(
                 f"{env_name('prefix_affinity_weight')} must not be negative, got {self.prefix_affinity_weight}"
             )
+
+    def _validate_security(self) -> None:
+        if bool(self.public_tls_cert_file) != bool(self.public_tls_key_file):
+            raise ConfigError("EPD_PUBLIC_TLS_CERT_FILE and EPD_PUBLIC_TLS_KEY_FILE go together")
+        if self.public_tls_client_ca_file and self.public_tls() is None:
+            raise ConfigError(
+                "EPD_PUBLIC_TLS_CLIENT_CA_FILE needs a public certificate (EPD_PUBLIC_TLS_* or EPD_TLS_*)"
+            )
+        for name in (
+            "public_tls_cert_file",
+            "public_tls_key_file",
+            "public_tls_client_ca_file",
+            "api_keys_file",
+            "tenant_limits_file",
+        ):
+            path = getattr(self, name)
+            if path and not os.path.isfile(path):
+                raise ConfigError(f"{env_name(name)}: {path} is not a readable file")

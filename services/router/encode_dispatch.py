@@ -22,9 +22,11 @@ from services.common.placement_hash import group_by_encoder
 from services.common.rpc.epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 from services.router.cluster_view import ClusterView
 from services.router.errors import RequestError, invalid, unavailable
+from services.router.request_record import note_encoder
 
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-                       grpc.StatusCode.CANCELLED})
+RETRYABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
+)
 
 
 @dataclass(frozen=True)
@@ -36,9 +38,14 @@ class Failure:
 
 
 class EncodeDispatcher:
-    def __init__(self, view: ClusterView, cache: EmbeddingCache, channel: Callable[[str], grpc.aio.Channel],
-                 static_encoders: list[str], on_lookup: Callable[[int, int], None] = lambda queries, hits: None,
-                 ) -> None:
+    def __init__(
+        self,
+        view: ClusterView,
+        cache: EmbeddingCache,
+        channel: Callable[[str], grpc.aio.Channel],
+        static_encoders: list[str],
+        on_lookup: Callable[[int, int], None] = lambda queries, hits: None,
+    ) -> None:
         self._on_lookup = on_lookup
         self._view = view
         self._cache = cache
@@ -48,27 +55,40 @@ class EncodeDispatcher:
     def _encoders(self) -> list[str]:
         return [e.address for e in self._view.encoders()] or list(self._static)
 
-    async def encode(self, request_id: str, refs: list[common_pb2.MediaRef], data: list[bytes], worker: str,
-                     deadline: float) -> float:
+    async def encode(
+        self, request_id: str, refs: list[common_pb2.MediaRef], data: list[bytes], worker: str, deadline: float
+    ) -> float:
         """Make every item's embedding reach `worker`; returns seconds spent (0 when all cached)."""
         if not refs:
             return 0.0
         start = time.perf_counter()
         cached = await asyncio.to_thread(self._cache.contains, [r.mm_hash for r in refs])
         self._on_lookup(len(refs), sum(cached))
-        items = [encoder_pb2.EncodeItem(ref=ref, data=blob)
-                 for ref, blob, hit in zip(refs, data, cached, strict=True) if not hit]
+        items = [
+            encoder_pb2.EncodeItem(ref=ref, data=blob)
+            for ref, blob, hit in zip(refs, data, cached, strict=True)
+            if not hit
+        ]
         if not items:
             return 0.0
         encoders = self._encoders()
         groups = group_by_encoder([item.ref.mm_hash for item in items], encoders) if encoders else {worker: []}
-        calls = [self._encode_group(request_id, [items[i] for i in indexes] or items, owner, encoders, worker,
-                                    deadline) for owner, indexes in groups.items()]
+        calls = [
+            self._encode_group(request_id, [items[i] for i in indexes] or items, owner, encoders, worker, deadline)
+            for owner, indexes in groups.items()
+        ]
         await asyncio.gather(*calls)
         return time.perf_counter() - start
 
-    async def _encode_group(self, request_id: str, items: list[encoder_pb2.EncodeItem], owner: str,
-                            encoders: list[str], worker: str, deadline: float) -> None:
+    async def _encode_group(
+        self,
+        request_id: str,
+        items: list[encoder_pb2.EncodeItem],
+        owner: str,
+        encoders: list[str],
+        worker: str,
+        deadline: float,
+    ) -> None:
         """Encode on the items' owner (rendezvous hashing: one image meets one encoder cluster-wide),
         failing over to the other encoders, then to the worker itself (co-located encoding)."""
         request = encoder_pb2.EncodeRequest(request_id=request_id, items=items, destination=worker)
@@ -81,8 +101,11 @@ class EncodeDispatcher:
         hints = [f.retry_after_ms for f in failures]
         if failures and all(hint is not None for hint in hints):
             # overload is refused, not pushed onto the worker: decode latency stays flat
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "every encoder is busy; retry later",
-                               (("retry-after-ms", str(hints[-1])),))
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "every encoder is busy; retry later",
+                (("retry-after-ms", str(hints[-1])),),
+            )
         failure = await self._try(worker, request, deadline)
         if failure is None:
             return
@@ -99,6 +122,7 @@ class EncodeDispatcher:
         request.deadline_s = remaining
         try:
             await encoder_pb2_grpc.EncoderStub(self._channel(address)).Encode(request, timeout=remaining)
+            note_encoder(address)
             return None
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:

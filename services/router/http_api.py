@@ -2,8 +2,10 @@
 
 Invariants: a chat completion runs through the router's one generation path (`generate_stream`, the
 same admission, limits, safe fetch and metrics as gRPC's Generate) and is answered from the same
-`GenerateResponse` stream. A client that disconnects, before or during the answer, cancels the
-generation, which frees the request's KV blocks on its worker. No request waits past the router's
+`GenerateResponse` stream. Every `/v1` route authenticates first (the `Authorization: Bearer` key
+names the tenant; a missing or wrong key is 401 before the body is read); `/health` stays open. A
+client that disconnects, before or during the answer, cancels the generation, which frees the
+request's KV blocks on its worker. No request waits past the router's
 request timeout (504). Every error answer is OpenAI's error JSON (services/router/http_errors.py).
 """
 
@@ -26,6 +28,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from services.common.rpc.epd.v1 import generation_pb2
+from services.common.rpc_context import bind_incoming
 from services.router.errors import RequestError
 from services.router.http_errors import (
     HttpError,
@@ -53,8 +56,10 @@ CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never read by an
 class Generation(Protocol):
     """The router's generation path (services/router/server.py's GenerationServicer)."""
 
+    def authenticate(self, authorization: Iterable[str]) -> str: ...
+
     def generate_stream(
-        self, request: generation_pb2.GenerateRequest, timeout_s: float | None
+        self, request: generation_pb2.GenerateRequest, timeout_s: float | None, tenant: str
     ) -> AsyncIterator[generation_pb2.GenerateResponse]: ...
 
     async def count_tokens(self, request: generation_pb2.GenerateRequest) -> generation_pb2.TokenCount: ...
@@ -186,6 +191,10 @@ class Routes:
         self.api = api
         self.created = int(time.time())
 
+    def tenant(self, request: Request) -> str:
+        """The caller's tenant; RequestError (401) for a missing or wrong key."""
+        return self.api.generation.authenticate(request.headers.getlist("authorization"))
+
     async def body(self, request: Request) -> ChatCompletionRequest:
         body = _parse(await read_body(request, self.api.max_body_bytes))
         if body.model is not None and body.model != self.api.model_id:
@@ -198,14 +207,16 @@ class Routes:
         return body
 
     async def chat_completions(self, request: Request) -> Response:
+        tenant = self.tenant(request)
+        client_request_id = bind_incoming(request.headers.items())  # `traceparent`, `x-request-id` (kept if valid)
         try:
             body = await self.body(request)
-            proto = generate_request(body, uuid.uuid4().hex)
+            proto = generate_request(body, client_request_id or uuid.uuid4().hex)
         except (HttpError, RequestError):
             self.api.count_invalid()
             raise
         envelope = Envelope(f"chatcmpl-{proto.request_id}", int(time.time()), self.api.model_id)
-        stream = self.api.generation.generate_stream(proto, None)
+        stream = self.api.generation.generate_stream(proto, None, tenant)
         timeout_s = self.api.request_timeout_s + DEADLINE_GRACE_S
         headers = {"X-Request-Id": proto.request_id}
         if body.stream:
@@ -220,6 +231,8 @@ class Routes:
         return JSONResponse(builder.result(), headers=headers)
 
     async def count_tokens(self, request: Request) -> dict[str, Any]:
+        self.tenant(request)
+        bind_incoming(request.headers.items())
         proto = generate_request(await self.body(request), "")
         count = await guarded(request, self.api.generation.count_tokens(proto), self.api.request_timeout_s)
         return token_count_json(count)
@@ -233,10 +246,12 @@ class Routes:
             "max_model_len": self.api.max_model_len,
         }
 
-    async def models(self) -> dict[str, Any]:
+    async def models(self, request: Request) -> dict[str, Any]:
+        self.tenant(request)
         return {"object": "list", "data": [self.model_card()]}
 
-    async def model(self, model_id: str) -> dict[str, Any]:
+    async def model(self, request: Request, model_id: str) -> dict[str, Any]:
+        self.tenant(request)
         if model_id != self.api.model_id:
             raise HttpError(404, f"model {model_id!r} is not served here", "model_not_found", param="model")
         return self.model_card()

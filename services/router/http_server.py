@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 import uvicorn
 
 from services.common.model_info import ModelInfo
+from services.common.tls import TlsFiles, ssl_context
 from services.router.config import RouterConfig
 from services.router.http_api import Generation, HttpApi, Workers, build_app, max_body_bytes, served_model_id
 from services.router.metrics import RouterMetrics
@@ -37,8 +38,11 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def start_http_server(api: HttpApi, host: str, port: int) -> tuple[int, Callable[[], Awaitable[None]]]:
-    """Serve the HTTP API on host:port; returns the bound port and an async stop function."""
+async def start_http_server(
+    api: HttpApi, host: str, port: int, tls_files: TlsFiles | None = None
+) -> tuple[int, Callable[[], Awaitable[None]]]:
+    """Serve the HTTP API on host:port, over TLS when `tls_files` (re-read on change; client certificates
+    required when they name a CA); returns the bound port and an async stop function."""
     sock = listen_socket(host, port)
     config = uvicorn.Config(
         build_app(api),
@@ -48,12 +52,15 @@ async def start_http_server(api: HttpApi, host: str, port: int) -> tuple[int, Ca
         timeout_graceful_shutdown=GRACE_S,
     )
     config.load()
+    if tls_files is not None:  # our own context: uvicorn's would never re-read a rotated certificate
+        config.ssl = ssl_context(tls_files, require_client_cert=bool(tls_files.ca_file))
     server = uvicorn.Server(config)
     server.lifespan = config.lifespan_class(config)  # what Server.serve() sets up before startup()
     await server.startup(sockets=[sock])
     ticker = asyncio.create_task(server.main_loop())  # date header, should_exit
     bound = sock.getsockname()[1]
-    log.info("HTTP API (OpenAI-compatible) serving on %s:%d, model %r", host, bound, api.model_id)
+    scheme = "https" if tls_files is not None else "http"
+    log.info("HTTP API (OpenAI-compatible) serving %s on %s:%d, model %r", scheme, host, bound, api.model_id)
 
     async def stop() -> None:
         server.should_exit = True
@@ -79,7 +86,7 @@ async def serve_router_http(
         request_timeout_s=config.request_timeout_s,
         max_body_bytes=max_body_bytes(config.max_request_bytes),
     )
-    _, stop = await start_http_server(api, config.host, config.http_port)
+    _, stop = await start_http_server(api, config.host, config.http_port, config.public_tls())
     return stop
 
 

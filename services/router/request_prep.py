@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from services.common import video
 from services.common.media import MediaError, MediaLimits
 from services.common.media_types import VideoLimits
 from services.common.model_info import ModelInfo
 from services.common.rpc.epd.v1 import common_pb2, generation_pb2
+from services.common.tracing import tracer
 from services.models.base import supports_video
 from services.router.accounting import Accounted, account
 from services.router.config import RouterConfig
@@ -169,8 +171,13 @@ class RequestPrep:
     async def _fetch_one(self, request: generation_pb2.GenerateRequest, m: int, p: int) -> bytes:
         part = request.messages[m].content[p]
         url = getattr(part, part.WhichOneof("part")).url
-        try:
-            return await fetch_media(url, self._policy)
-        except FetchError as exc:
-            self._metrics.fetch_refusals.add(1, {"reason": str(exc.reason)})
-            raise invalid(f"messages[{m}].content[{p}]: {exc}") from exc
+        with tracer().start_as_current_span("fetch") as span:  # the host only: a URL's path or query may be secret
+            span.set_attribute("server.address", urlsplit(url).hostname or "")
+            try:
+                data = await fetch_media(url, self._policy)
+            except FetchError as exc:
+                self._metrics.fetch_refusals.add(1, {"reason": str(exc.reason)})
+                span.set_attribute("epd.refusal.reason", str(exc.reason))
+                raise invalid(f"messages[{m}].content[{p}]: {exc}") from exc
+            span.set_attribute("epd.bytes", len(data))
+            return data

@@ -10,32 +10,43 @@ task are cancelled on every exit path, which frees the worker's reservation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
 
-from services.common import grpc_server
+from services.common import grpc_server, tls
 from services.common.block_hash import MediaSpan
 from services.common.embedding_cache import CacheSettings, EmbeddingCache
+from services.common.logs import current_request_id
 from services.common.model_info import ModelInfo, load_model_info
 from services.common.registry import Registry
-from services.common.rpc.epd.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common.rpc.epd.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.telemetry import Telemetry
+from services.common.tls import Dialer
+from services.common.tracing import tracer
 from services.router.accounting import Accounted
 from services.router.admission import Admission, AdmissionSettings, Rejection, Reserved
+from services.router.auth import DEFAULT_TENANT
 from services.router.cluster_view import ClusterView
 from services.router.config import RouterConfig
 from services.router.encode_dispatch import EncodeDispatcher
-from services.router.errors import RequestError, unavailable
+from services.router.errors import RequestError
 from services.router.http_server import serve_router_http
 from services.router.metrics import RouterMetrics
+from services.router.migration import Migrations, Progress, WorkerLost, continuation, lost_reason, watch_vanished
 from services.router.output import Choices, TokenTexts
 from services.router.placement import PrefixAffinity
 from services.router.request_blocks import RequestBlocks
 from services.router.request_prep import RequestPrep
+from services.router.request_record import RequestRecord, admission_attributes, note_worker
+from services.router.stream_state import StreamState
+from services.router.tenants import Tenancy, prefix_salt, scope_items
 
 log = logging.getLogger(__name__)
 REFUSALS = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
@@ -67,13 +78,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._admission = admission
         self._dispatcher = dispatcher
         self._metrics = metrics
-        self._channels = channels
+        self._dialer = dialer
+        self._view = view
+        self._tenancy = tenancy
         self._token_texts = TokenTexts(info.adapter.tokenizer)
 
     def channel(self, address: str) -> grpc.aio.Channel:
-        if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=grpc_server.channel_options())
-        return self._channels[address]
+        """The channel to a worker or encoder: mTLS with the cluster CA when TLS is on, so an address that
+        someone registered in Redis gets no request unless it holds a certificate of that CA."""
+        return self._dialer.channel(address)
+
+    def authenticate(self, authorization: Iterable[str]) -> str:
+        """The caller's tenant from its `authorization` values, for any front end; RequestError
+        (UNAUTHENTICATED) before any other work when the key is missing or wrong."""
+        return self._tenancy.auth.tenant(authorization)
 
     async def CountTokens(
         self,
@@ -81,37 +99,64 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         context: grpc.aio.ServicerContext,
     ) -> generation_pb2.TokenCount:
         try:
+            self._tenancy.auth.grpc_tenant(context)
             return await self.count_tokens(request)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
 
     async def count_tokens(self, request: generation_pb2.GenerateRequest) -> generation_pb2.TokenCount:
-        """CountTokens for any front end (gRPC, HTTP); raises RequestError."""
-        return (await self._prep.prepare(request)).accounted.token_count()
+        """CountTokens for any front end (gRPC, HTTP); raises RequestError. Each call is counted once, by outcome."""
+        outcome = "ok"
+        try:
+            return (await self._prep.prepare(request)).accounted.token_count()
+        except RequestError as exc:
+            outcome = exc.code.name.lower()
+            raise
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except Exception:
+            outcome = "internal"
+            raise
+        finally:
+            self._metrics.count_tokens.add(1, {"outcome": outcome})
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            async for response in self.generate_stream(request, context.time_remaining()):
+            tenant = self._tenancy.auth.grpc_tenant(context)
+            async for response in self.generate_stream(request, context.time_remaining(), tenant):
                 yield response
         except RequestError as exc:
             if exc.metadata:
                 context.set_trailing_metadata(exc.metadata)
             await context.abort(exc.code, exc.message)
 
-    async def generate_stream(self, request: generation_pb2.GenerateRequest, timeout_s: float | None):
-        """Generate for any front end (gRPC, HTTP): the responses, or RequestError. Every request is counted
-        in the metrics here, once. The deadline is `timeout_s` (None: none) capped by the request timeout;
-        closing the generator or cancelling its task cancels the worker call and frees its blocks."""
+    async def generate_stream(
+        self, request: generation_pb2.GenerateRequest, timeout_s: float | None, tenant: str = DEFAULT_TENANT
+    ):
+        """Generate for any front end (gRPC, HTTP) on behalf of `tenant` (authenticated by the caller): the
+        responses, or RequestError. Every request is counted in the metrics here, once, by tenant. The
+        deadline is `timeout_s` (None: none) capped by the request timeout; closing the generator or
+        cancelling its task cancels the worker call and frees its blocks."""
         start = time.perf_counter()
         outcome = "ok"
+        failure = refusal = ""
+        gate = self._tenancy.gate
         self._metrics.running.add(1)
+        record = RequestRecord.begin(request, tenant, self._info.model_dir.resolve().name)  # span and finished line
+        entered = False
         try:
-            async for response in self._generate(request, timeout_s, start):
+            gate.enter(tenant)
+            entered = True
+            async for response in self._generate(request, timeout_s, start, tenant):
+                if response.HasField("final"):
+                    record.final = response.final
                 yield response
         except RequestError as exc:
-            outcome = exc.code.name.lower()
+            outcome, failure = exc.code.name.lower(), exc.message
             if isinstance(exc, Rejection):
-                self._metrics.rejections.add(1, {"reason": exc.reason})
+                refusal = exc.reason
+                self._metrics.rejections.add(1, {"reason": exc.reason, "tenant": tenant})
             raise
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"
@@ -121,18 +166,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             log.exception("request failed unexpectedly")
             raise
         finally:
+            if entered:
+                gate.leave(tenant)
             self._metrics.running.add(-1)
-            self._metrics.requests.add(1, {"outcome": outcome})
+            self._metrics.requests.add(1, {"outcome": outcome, "tenant": tenant})
             self._metrics.e2e_seconds.record(time.perf_counter() - start)
+            record.finish(outcome, failure, refusal)
 
-    @staticmethod
-    def _request_blocks(accounted: Accounted, cache_salt: str) -> RequestBlocks:
-        """The request's blocks and prefix hashes, hashed lazily per block size of the workers it is ranked on."""
-        spans = [MediaSpan(r.mm_hash, r.offset, r.num_tokens) for r in accounted.refs]
-        return RequestBlocks.for_prompt(accounted.token_ids, accounted.projected_tokens, spans, cache_salt, accounted.n)
-
-    async def _open_worker(self, worker: str, request: worker_pb2.WorkerRequest, timeout: float):
+    async def _open_worker(self, worker: str, request: worker_pb2.WorkerRequest, deadline: float):
         """Open the worker stream and wait for admission; None when the worker refuses or is down."""
+        timeout = max(0.001, deadline - time.monotonic())
         call = worker_pb2_grpc.WorkerStub(self.channel(worker)).Generate(request, timeout=timeout)
         try:
             first = await call.read()
@@ -145,104 +188,122 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             return None
         return Reserved(call, first.state_at)
 
-    async def _generate(self, request: generation_pb2.GenerateRequest, timeout_s: float | None, start: float):
-        prepared = await self._prep.prepare(request)
+    async def _generate(
+        self, request: generation_pb2.GenerateRequest, timeout_s: float | None, start: float, tenant: str
+    ):
+        """Admit, encode, stream; a worker failing mid-stream: continue on another (router/migration.py).
+        The tenant is folded into the prefix salt and the items' keys here, before anything downstream."""
+        with tracer().start_as_current_span("intake") as intake:  # parse, fetch, count; no text in the span
+            prepared = await self._prep.prepare(request)
+            intake.set_attribute("epd.items", len(prepared.accounted.refs))
+            intake.set_attribute("epd.prompt_tokens", prepared.accounted.prompt_tokens)
         accounted, sampling = prepared.accounted, prepared.sampling
-        request_id = request.request_id or uuid.uuid4().hex
+        self._tenancy.gate.charge(tenant, accounted.projected_tokens)
+        scope_items(accounted.refs, tenant, self._tenancy.share_embeddings)
+        request_id = current_request_id() or request.request_id or uuid.uuid4().hex  # RequestRecord bound it
         timeout = min(self._config.request_timeout_s, timeout_s if timeout_s is not None else float("inf"))
         deadline = time.monotonic() + timeout
-        worker_request = worker_pb2.WorkerRequest(
+        base = worker_pb2.WorkerRequest(
             request_id=request_id,
             token_ids=accounted.token_ids,
             media=accounted.refs,
             sampling=sampling,
-            cache_salt=request.cache_salt,
+            cache_salt=prefix_salt(tenant, request.cache_salt),
             embedding_timeout_s=min(timeout, self._config.encode_timeout_s),
         )
-        admitted = await self._admission.admit(
-            self._request_blocks(accounted, request.cache_salt),
-            lambda worker: self._open_worker(worker, worker_request, timeout),
-            deadline,
+        choices = Choices(self._info.adapter.tokenizer, list(sampling.stop), sampling.n, self._token_texts)
+        state = StreamState(choices, Progress(sampling.n), start)
+        migrations = Migrations(
+            self._config.migration_limit, lambda reason: self._metrics.migrations.add(1, {"reason": reason})
         )
+        while not choices.done:
+            attempt = continuation(base, state.progress, migrations.done)
+            try:
+                async with contextlib.aclosing(self._attempt(attempt, accounted, deadline, state)) as chunks:
+                    async for chunk in chunks:
+                        yield generation_pb2.GenerateResponse(chunk=chunk)
+                break
+            except WorkerLost as lost:
+                trace.get_current_span().add_event("migration", {"epd.reason": lost.reason, "epd.worker": lost.worker})
+                migrations.next(lost, state.progress)  # raises UNAVAILABLE past the limit
+                log.warning("request %s: %s; migrating (%d so far)", request_id, lost, migrations.done)
+        yield generation_pb2.GenerateResponse(final=state.final(accounted, request_id, migrations.done))
+
+    async def _attempt(
+        self, worker_request: worker_pb2.WorkerRequest, accounted: Accounted, deadline: float, state: StreamState
+    ):
+        """One worker serving the request: admission, the encode task, the stream; the chunks for the client.
+        Raises WorkerLost when the worker fails in a way another worker may cure."""
+        blocks = RequestBlocks.for_prompt(
+            list(worker_request.token_ids),
+            accounted.projected_tokens,
+            [MediaSpan(r.mm_hash, r.offset, r.num_tokens) for r in accounted.refs],
+            worker_request.cache_salt,
+            accounted.n,
+        )
+        with tracer().start_as_current_span("admission") as placing:  # the worker call opened here is its child
+            admitted = await self._admission.admit(
+                blocks, lambda worker: self._open_worker(worker, worker_request, deadline), deadline
+            )
+            placing.set_attributes(admission_attributes(admitted))
+        note_worker(admitted.worker)
         self._metrics.queue_seconds.record(admitted.queue_s)
+        state.queue_s += admitted.queue_s
         call = admitted.handle
         encode = asyncio.create_task(
-            self._dispatcher.encode(request_id, list(accounted.refs), accounted.item_data, admitted.worker, deadline)
+            self._dispatcher.encode(
+                worker_request.request_id, list(accounted.refs), accounted.item_data, admitted.worker, deadline
+            )
         )
         encode.add_done_callback(lambda task: task.cancelled() or task.exception() is None or call.cancel())
-        encode.add_done_callback(self._record_encode)
+        encode.add_done_callback(lambda task: self._record_encode(task, state))
+        vanished = asyncio.Event()
+        watch = asyncio.create_task(
+            watch_vanished(self._view.absent_for, admitted.worker, lambda: (vanished.set(), call.cancel()))
+        )
         end = StreamEnd()
         try:
-            async for response in self._stream(call, request_id, accounted, sampling, admitted, encode, start, end):
-                yield response
+            async with contextlib.aclosing(self._stream(call, admitted.worker, encode, vanished, state, end)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         finally:
+            watch.cancel()
             call.cancel()
             encode.cancel()
             self._admission.released(admitted.worker, admitted.blocks, end.released_at)
 
-    def _record_encode(self, task: asyncio.Task) -> None:
+    def _record_encode(self, task: asyncio.Task, state: StreamState) -> None:
         """Encode time of the items sent to encoders (the task may end after the last token)."""
         if not task.cancelled() and task.exception() is None and task.result() > 0:
             self._metrics.encode_seconds.record(task.result())
+            state.encode_s += task.result()
 
     async def _stream(
-        self,
-        call,
-        request_id: str,
-        accounted: Accounted,
-        sampling: common_pb2.SamplingParams,
-        admitted,
-        encode: asyncio.Task,
-        start: float,
-        end: StreamEnd,
+        self, call, worker: str, encode: asyncio.Task, vanished: asyncio.Event, state: StreamState, end: StreamEnd
     ):
-        choices = Choices(self._info.adapter.tokenizer, list(sampling.stop), sampling.n, self._token_texts)
-        first_token_s, cached, last, prefill_s = 0.0, 0, 0.0, 0.0
+        """The worker's responses as client chunks until every choice is done or the stream ends."""
         try:
             while (response := await call.read()) is not grpc.aio.EOF:
-                now = time.perf_counter()
-                if not first_token_s:
-                    first_token_s, prefill_s, last = now - start, response.prefill_s, now
-                    self._metrics.ttft_seconds.record(first_token_s)
-                elif response.index == 0:  # inter-token latency of choice 0 (the others arrive alongside)
-                    self._metrics.itl_seconds.record(now - last)
-                    last = now
-                if response.index == 0:
-                    cached = response.cached_tokens
                 end.released_at = response.state_at or end.released_at  # set on the worker's last message only
-                chunk = choices.chunk(response)
+                chunk = state.take(response, self._metrics)
                 if chunk is not None:
-                    yield generation_pb2.GenerateResponse(chunk=chunk)
-                if choices.done:  # every choice finished, or ended here at a stop string
+                    yield chunk
+                if state.choices.done:  # every choice finished, or ended here at a stop string
                     break
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+            if vanished.is_set():
+                raise WorkerLost(worker, "vanished", "missing from the registry") from None
             if encode.done() and not encode.cancelled() and encode.exception() is not None:
-                raise encode.exception() from None
+                error = encode.exception()
+                if isinstance(error, RequestError) and error.code == grpc.StatusCode.UNAVAILABLE:
+                    raise WorkerLost(worker, "encode", error.message) from None  # e.g. the push found it gone
+                raise error from None
             if isinstance(exc, asyncio.CancelledError):
                 raise
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL):
-                raise unavailable(f"worker {admitted.worker} failed: {exc.code().name}: {exc.details()}") from exc
-            raise RequestError(exc.code(), f"worker {admitted.worker}: {exc.details()}") from exc
-        usage = generation_pb2.Usage(
-            prompt_tokens=accounted.prompt_tokens,
-            text_tokens=accounted.text_tokens,
-            image_tokens=accounted.image_tokens,
-            completion_tokens=sum(stream.completion_tokens for stream in choices.streams),
-            cached_tokens=cached,
-        )
-        encode_s = encode.result() if encode.done() and not encode.cancelled() and not encode.exception() else 0.0
-        timing = generation_pb2.Timing(
-            queue_s=admitted.queue_s,
-            encode_s=encode_s,
-            prefill_s=prefill_s,
-            first_token_s=first_token_s,
-            total_s=time.perf_counter() - start,
-        )
-        ends = choices.ends()
-        final = generation_pb2.Final(
-            finish_reason=ends[0].finish_reason, usage=usage, timing=timing, request_id=request_id, choices=ends
-        )
-        yield generation_pb2.GenerateResponse(final=final)
+            reason = lost_reason(exc)
+            if reason is not None:
+                raise WorkerLost(worker, reason, f"{exc.code().name}: {exc.details()}") from exc
+            raise RequestError(exc.code(), f"worker {worker}: {exc.details()}") from exc
 
 
 def _count_lookup(metrics: RouterMetrics, queries: int, hits: int) -> None:
@@ -254,12 +315,12 @@ def _count_lookup(metrics: RouterMetrics, queries: int, hits: int) -> None:
 async def start_router(config: RouterConfig):
     """Serve the public API on config.host:config.port (no model weights are loaded here)."""
     info = load_model_info(config.model)
-    telemetry = Telemetry("router", config.host, config.metrics_port)
+    telemetry = Telemetry("router", config.host, config.metrics_port, info.model_dir.resolve().name)
     metrics = RouterMetrics.create(telemetry.meter)
-    cache = EmbeddingCache(CacheSettings(config.redis_url, info.identity.revision, max_bytes=0))
+    cache = EmbeddingCache(CacheSettings.for_service(config, info.identity.revision, max_bytes=0))
     view = ClusterView(Registry(config.redis_url), info.identity.revision)
     await view.start()
-    channels: dict[str, grpc.aio.Channel] = {}
+    dialer = Dialer(tls.internal_client(config))
     admission = Admission(
         view,
         PrefixAffinity(),
@@ -283,21 +344,25 @@ async def start_router(config: RouterConfig):
             on_lookup=lambda queries, hits: _count_lookup(metrics, queries, hits),
         ),
         metrics,
-        channels,
+        dialer,
+        view,
+        Tenancy.from_config(config),
     )
     binding = grpc_server.ServiceBinding(
         generation_pb2_grpc.add_GenerationServicer_to_server, servicer, "epd.v1.Generation"
     )
     stop_http = await serve_router_http(config, info, servicer, view, metrics)  # listening before gRPC is healthy
-    running = await grpc_server.start_server(config.host, config.port, [binding])
+    public = config.public_tls()
+    credentials = None if public is None else tls.server_credentials(public, bool(public.ca_file))
+    running = await grpc_server.start_server(config.host, config.port, [binding], credentials, echo_request_id=True)
     log.info("router serving on %s:%d", config.host, running.port)
 
     async def stop() -> None:
-        await stop_http()
-        await running.stop()
+        """Drain: stop accepting (health NOT_SERVING, no new calls), let the streams in flight finish for up to
+        EPD_DRAIN_TIMEOUT_S (they may still migrate meanwhile: the view and channels stay open), then close."""
+        await asyncio.gather(stop_http(), running.stop(config.drain_timeout_s))
         await view.stop()
-        for channel in channels.values():
-            await channel.close()
+        await dialer.close()
         telemetry.shutdown()
 
     return stop

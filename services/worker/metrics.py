@@ -56,7 +56,13 @@ class WorkerMetrics:
         gauge("epd_kv_cache_total_blocks", lambda s: s.total_blocks, "KV blocks of this worker")
         gauge("epd_num_requests_running", lambda s: s.running, "requests being computed")
         gauge("epd_num_requests_waiting", lambda s: s.waiting, "requests waiting to be scheduled")
-        gauge("epd_num_preemptions", lambda s: s.preemptions, "preemptions since start")
+
+        def preemptions(options: CallbackOptions) -> Iterable[Observation]:
+            yield Observation(kv_state().preemptions)  # the engine's running total: a monotonic counter
+
+        meter.create_observable_counter(
+            "epd_num_preemptions", callbacks=[preemptions], description="requests preempted (recomputed later)"
+        )
 
         def coefficients(options: CallbackOptions) -> Iterable[Observation]:
             for term, value in zip(TERMS, step_costs.coefficients, strict=True):  # one tuple: a consistent fit
@@ -69,13 +75,27 @@ class WorkerMetrics:
             + "; ".join(f"{term}: {unit}" for term, unit in COEFFICIENT_UNITS.items()),
         )
         return cls(
-            prefix_cache_queries=meter.create_counter("epd_prefix_cache_queries", unit="tokens"),
-            prefix_cache_hits=meter.create_counter("epd_prefix_cache_hits", unit="tokens"),
-            prompt_tokens=meter.create_counter("epd_prompt_tokens", unit="tokens"),
-            generation_tokens=meter.create_counter("epd_generation_tokens", unit="tokens"),
-            prefill_seconds=meter.create_histogram("epd_request_prefill_time_seconds", unit="s"),
-            embedding_wait_seconds=meter.create_histogram("epd_embedding_wait_seconds", unit="s"),
-            transfer_bytes=meter.create_counter("epd_embedding_transfer_received_bytes", unit="By"),
+            prefix_cache_queries=meter.create_counter(
+                "epd_prefix_cache_queries", unit="tokens", description="prompt tokens looked up in the prefix cache"
+            ),
+            prefix_cache_hits=meter.create_counter(
+                "epd_prefix_cache_hits", unit="tokens", description="prompt tokens found in the prefix cache"
+            ),
+            prompt_tokens=meter.create_counter(
+                "epd_prompt_tokens", unit="tokens", description="prompt tokens of finished requests"
+            ),
+            generation_tokens=meter.create_counter(
+                "epd_generation_tokens", unit="tokens", description="tokens generated"
+            ),
+            prefill_seconds=meter.create_histogram(
+                "epd_request_prefill_time_seconds", unit="s", description="seconds from admission to the first token"
+            ),
+            embedding_wait_seconds=meter.create_histogram(
+                "epd_embedding_wait_seconds", unit="s", description="seconds a request waited for pushed embeddings"
+            ),
+            transfer_bytes=meter.create_counter(
+                "epd_embedding_transfer_received_bytes", unit="By", description="embedding bytes received, by transport"
+            ),
             step_prefill_budget=meter.create_histogram(
                 "epd_step_prefill_budget_tokens",
                 unit="tokens",

@@ -6,12 +6,15 @@ requests enter the engine immediately; a task per media item fetches its embeddi
 cached) and hands it over, and the engine schedules media positions only once present. A
 cancelled or failed stream aborts the request, which frees its blocks and reservation.
 A request of `sampling.n` choices streams each response for one choice (`index`); the stream
-ends once every choice finished.
+ends once every choice finished. On SIGTERM the worker drains (`RunningWorker.drain`): it leaves the
+registry, refuses new requests with UNAVAILABLE, lets the running ones finish for up to the drain timeout,
+then ends the rest with UNAVAILABLE (trailing `epd-migrate-reason: drain`) so their routers migrate them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -19,16 +22,18 @@ import time
 
 import grpc
 
-from services.common import grpc_server
+from services.common import grpc_server, tls
+from services.common.drain import Drain, drained
 from services.common.embedding_cache import CacheSettings, EmbeddingCache
 from services.common.kv_blocks import request_blocks
 from services.common.loop_mailbox import LoopMailbox
 from services.common.media import MediaLimits
 from services.common.model_info import load_model_info
-from services.common.registry import Heartbeat, Registry
+from services.common.registry import Heartbeat, Registry, draining_role
 from services.common.rpc.epd.v1 import common_pb2, encoder_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.service_main import dtype_of
 from services.common.telemetry import Telemetry
+from services.common.tracing import StageSpans
 from services.common.transport_dist import DistError, DistReceiver
 from services.common.transport_grpc import ChunkAssembler, StreamError
 from services.encoder.runner import VisionRunner
@@ -64,6 +69,7 @@ def engine_request(request: worker_pb2.WorkerRequest) -> EngineRequest:
             logprobs=sampling.logprobs if sampling.HasField("logprobs") else None,
         ),
         cache_salt=request.cache_salt,
+        generated_tokens=request.generated_tokens,
     )
 
 
@@ -96,6 +102,14 @@ class FetchFailed:
     message: str
 
 
+@dataclasses.dataclass(frozen=True)
+class Drained:
+    """On a request's output queue: the worker is shutting down and ends the request (the router migrates it)."""
+
+
+DRAIN_METADATA = (("epd-migrate-reason", "drain"),)
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(
         self,
@@ -111,6 +125,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._metrics = metrics
         self._dist = dist or DistReceiver.for_service(config.host, config.address, device=config.device)
         self._outbox: LoopMailbox | None = None
+        self.drain = Drain()
+        self._streams: dict[str, asyncio.Queue] = {}  # in-flight requests' output queues (drain ends them)
 
     def _mailbox(self) -> LoopMailbox:
         """The one mailbox from the engine thread to this event loop (a step's tokens: one wake-up)."""
@@ -152,10 +168,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             )
         return admitted
 
+    def end_in_flight(self) -> None:
+        """Drain timeout: end every request still streaming (each answers UNAVAILABLE, its router migrates it)."""
+        for outputs in self._streams.values():
+            outputs.put_nowait(Drained())
+
     async def Generate(self, request: worker_pb2.WorkerRequest, context: grpc.aio.ServicerContext):
+        if not self.drain.enter():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self._config.address} is draining")
+        try:
+            async with contextlib.aclosing(self._generate(request, context)) as responses:
+                async for response in responses:
+                    yield response
+        finally:
+            self.drain.leave()
+
+    async def _generate(self, request: worker_pb2.WorkerRequest, context: grpc.aio.ServicerContext):
         start = time.perf_counter()
+        stages = StageSpans()  # worker.queue, worker.prefill, worker.decode under the caller's span
         outputs: asyncio.Queue = asyncio.Queue()
         admitted_at = await self._admit(request, context, outputs)
+        stages.mark("worker.queue", {"epd.prompt_tokens": len(request.token_ids), "epd.items": len(request.media)})
+        self._streams[request.request_id] = outputs
         timeout = request.embedding_timeout_s or self._config.embedding_timeout_s
         fetchers = [asyncio.create_task(self._fetch(m.mm_hash, timeout)) for m in request.media]
         watcher = asyncio.create_task(self._watch_fetches(fetchers, outputs))
@@ -169,6 +203,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 while not outputs.empty() and isinstance(outs[-1], StepOutput) and not outs[-1].request_finished:
                     outs.append(outputs.get_nowait())  # the loop fell behind: one message per choice for all of them
                 last = outs[-1]
+                if isinstance(last, Drained):
+                    message = f"worker {self._config.address} shut down (drain timeout)"
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, message, trailing_metadata=DRAIN_METADATA)
                 if isinstance(last, FetchFailed):
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, last.message)
                 if last is None:
@@ -179,8 +216,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if first_token:
                     first_token = False
                     self._metrics.prefill_seconds.record(time.perf_counter() - start)
+                    prefill = {"gen_ai.usage.prompt_tokens": len(request.token_ids), "epd.cached_tokens": cached}
+                    stages.mark("worker.prefill", prefill)
                 if finished:
                     self._record_finished(len(request.token_ids), cached, generated)
+                    stages.mark("worker.decode", {"gen_ai.usage.completion_tokens": generated})
                 freed_at = self._loop.finished_at.pop(request.request_id, 0.0) if finished else 0.0
                 for group in by_choice(outs):
                     yield self._response(group, time.perf_counter() - start, freed_at if group[-1] is last else 0.0)
@@ -193,6 +233,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 task.cancel()
             if not finished:
                 self._loop.abort(request.request_id)
+                stages.mark("worker.ended", {"gen_ai.usage.completion_tokens": generated}, error="ended early")
             self._loop.finished_at.pop(request.request_id, None)
 
     @staticmethod
@@ -294,6 +335,17 @@ class RunningWorker:
     heartbeat: Heartbeat
     telemetry: Telemetry
 
+    async def drain(self, timeout_s: float) -> None:
+        """SIGTERM: refuse new requests, leave the registry (publishing as draining, so routers know it is alive),
+        let the running requests finish for up to `timeout_s`, then end the rest (their routers migrate them)."""
+        self.servicer.drain.start()
+        await self.server.health.enter_graceful_shutdown()
+        await self.heartbeat.move_to(draining_role("worker"))
+        running = self.servicer.drain.in_flight
+        if not await drained(self.servicer.drain, timeout_s, self.servicer.end_in_flight):
+            log.warning("drain: ended requests still running after %.1fs (of %d)", timeout_s, running)
+        log.info("drain: done (%d request(s) were in flight)", running)
+
     async def stop(self) -> None:
         await self.heartbeat.stop()
         await self.server.stop()
@@ -323,7 +375,7 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
     """Load the model, start the engine thread, serve `Worker` and heartbeat the KV state."""
     info = load_model_info(config.model)
     model = info.adapter.load_model(device=config.device, dtype=dtype_of(config.dtype))
-    telemetry = Telemetry("worker", config.host, config.metrics_port)
+    telemetry = Telemetry("worker", config.host, config.metrics_port, info.model_dir.resolve().name)
     cache = EmbeddingCache(CacheSettings.for_service(config, info.identity.revision))
     engine = Engine(info.adapter, model, engine_config(config))
     loop = EngineLoop(engine, nice=config.compute_nice)
@@ -339,7 +391,8 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
         grpc_server.ServiceBinding(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "epd.v1.Worker"),
         grpc_server.ServiceBinding(encoder_pb2_grpc.add_EncoderServicer_to_server, local_encoder, "epd.v1.Encoder"),
     ]
-    running = await grpc_server.start_server(config.host, config.port, bindings)
+    credentials = tls.internal_server_credentials(config)
+    running = await grpc_server.start_server(config.host, config.port, bindings, credentials)
     address = config.advertise_addr or f"{config.host}:{running.port}"
     local_encoder.address = address
 

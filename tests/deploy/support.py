@@ -39,8 +39,9 @@ def load_values(path: Path) -> dict[str, Any]:
 def render(values: Mapping[str, Any] | None) -> list[dict[str, Any]]:
     """Render the chart with Helm's engine and return every manifest (NOTES.txt excluded)."""
     with helm.Chart.load(CHART) as chart:
-        files = chart.render(dict(values) if values is not None else None, name=RELEASE,
-                             namespace=NAMESPACE, is_install=True)
+        files = chart.render(
+            dict(values) if values is not None else None, name=RELEASE, namespace=NAMESPACE, is_install=True
+        )
     docs: list[dict[str, Any]] = []
     for name, text in sorted(files.items()):
         if not name.endswith(".yaml"):
@@ -63,8 +64,12 @@ def validate_manifest(doc: Mapping[str, Any], version: str) -> None:
 
 def find(docs: list[dict[str, Any]], kind: str, component: str | None = None) -> list[dict[str, Any]]:
     """Manifests of `kind`, optionally only those labelled with `component`."""
-    return [d for d in docs if d["kind"] == kind and (
-        component is None or d["metadata"]["labels"].get("app.kubernetes.io/component") == component)]
+    return [
+        d
+        for d in docs
+        if d["kind"] == kind
+        and (component is None or d["metadata"]["labels"].get("app.kubernetes.io/component") == component)
+    ]
 
 
 def one(docs: list[dict[str, Any]], kind: str, component: str) -> dict[str, Any]:
@@ -104,8 +109,10 @@ def values_leaf_paths(values: Mapping[str, Any], prefix: str = "") -> Iterator[s
             yield path
 
 
-_VAR = re.compile(r"\$\$|\$\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?P<op>:?[-?])?(?P<arg>[^}]*)\}"
-                  r"|\$(?P<bare>[A-Za-z_][A-Za-z0-9_]*)")
+_VAR = re.compile(
+    r"\$\$|\$\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?P<op>:?[-?])?(?P<arg>[^}]*)\}"
+    r"|\$(?P<bare>[A-Za-z_][A-Za-z0-9_]*)"
+)
 
 
 def interpolate(value: Any, env: Mapping[str, str]) -> Any:

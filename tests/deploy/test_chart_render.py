@@ -19,8 +19,13 @@ from tests.deploy.support import (
     validate_manifest,
 )
 
-EXPECTED_SCENARIOS = {"default-values.yaml", "external-redis-values.yaml", "gpu-4enc-8wkr-values.yaml",
-                      "cpu-dev-values.yaml"}
+EXPECTED_SCENARIOS = {
+    "default-values.yaml",
+    "external-redis-values.yaml",
+    "gpu-4enc-8wkr-values.yaml",
+    "cpu-dev-values.yaml",
+    "tls-auth-values.yaml",
+}
 
 
 @pytest.fixture(scope="module", params=CI_VALUES, ids=lambda p: p.name)
@@ -40,9 +45,13 @@ def test_chart_metadata() -> None:
         assert chart.schema is not None and chart.schema["additionalProperties"] is False
         names = {t["name"] for t in chart.templates}
     assert "templates/_helpers.tpl" in names and "templates/NOTES.txt" in names
-    assert {"templates/statefulset-worker.yaml", "templates/deployment-router.yaml",
-            "templates/deployment-encoder.yaml", "templates/hpa-router.yaml",
-            "templates/hpa-encoder.yaml"} <= names
+    assert {
+        "templates/statefulset-worker.yaml",
+        "templates/deployment-router.yaml",
+        "templates/deployment-encoder.yaml",
+        "templates/hpa-router.yaml",
+        "templates/hpa-encoder.yaml",
+    } <= names
 
 
 @pytest.mark.parametrize("values_file", CI_VALUES, ids=lambda p: p.name)
@@ -77,6 +86,8 @@ def test_pods_are_non_root_with_read_only_root(scenario: tuple[Path, list[dict[s
 
 
 def test_epd_probes_are_grpc_on_the_service_port(scenario: tuple[Path, list[dict[str, Any]]]) -> None:
+    """gRPC health probes; with TLS on (the kubelet's gRPC probe speaks no TLS) a health check over mTLS, or a
+    TCP check for a router whose public certificate is not of the cluster CA."""
     _, docs = scenario
     checked = 0
     for component, spec in pod_specs(docs):
@@ -84,8 +95,16 @@ def test_epd_probes_are_grpc_on_the_service_port(scenario: tuple[Path, list[dict
             continue
         (container,) = spec["containers"]
         grpc_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        if "EPD_TLS_CA_FILE" not in env:
+            expected = {"grpc": {"port": grpc_port}}
+        elif "EPD_PUBLIC_TLS_CERT_FILE" in env:
+            expected = {"tcpSocket": {"port": grpc_port}}
+        else:
+            expected = {"exec": {"command": ["python", "-m", "services.launch.health", f"127.0.0.1:{grpc_port}"]}}
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"] == {"port": grpc_port}, (component, probe)
+            action = {k: v for k, v in container[probe].items() if k in ("grpc", "exec", "tcpSocket")}
+            assert action == expected, (component, probe)
         checked += 1
     assert checked >= 2
 

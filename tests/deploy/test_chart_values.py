@@ -217,8 +217,23 @@ def test_gpu_memory_utilization_outside_0_1_is_refused(value: object, message: s
         ({"worker": {"env": {"EPD_REDIS_URL": "redis://other:6379/0"}}}, "same for every epd pod"),
         ({"env": {"EPD_REDIS_URL": "redis://other:6379/0"}}, "set redis.external.url instead"),
         ({"router": {"autoscaling": {"minReplicas": 9}}}, "minReplicas must not exceed maxReplicas"),
+        ({"worker": {"drainTimeoutSeconds": 60}}, "worker: terminationGracePeriodSeconds .60. must exceed"),
     ],
 )
 def test_inconsistent_values_fail_with_a_message(values: dict, message: str) -> None:
     with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmRenderError, match=message):
         chart.render(values, name="demo", namespace="ml")
+
+
+@pytest.mark.parametrize("values_file", sorted(CI.glob("*-values.yaml")), ids=lambda p: p.name)
+def test_grace_period_covers_the_prestop_sleep_and_the_drain(values_file: Path) -> None:
+    """Issue 15: every epd pod sleeps in preStop (endpoints drop it), then drains for EPD_DRAIN_TIMEOUT_S on
+    SIGTERM; the grace period is longer than both, so Kubernetes never kills a drain short."""
+    for component, spec in pod_specs(render(load_values(values_file))):
+        if component == "redis":
+            continue
+        container = spec["containers"][0]
+        command = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[0] == "sleep", command
+        drain = float(env_of(container)["EPD_DRAIN_TIMEOUT_S"])
+        assert spec["terminationGracePeriodSeconds"] > drain + float(command[1]) > drain > 0, component

@@ -64,6 +64,7 @@ def test_up_generate_count_and_clean_stop(tiny_model_dir: Path, redis_server: Re
         assert int(fields["projected"]) == int(fields["prompt"]) + int(fields["max_tokens"])
         assert int(fields["image"]) > 0
         check_json_and_flags(image, env)
+        check_supervision(up, lines, image, env)
     finally:
         up.send_signal(signal.SIGINT)
         up.wait(timeout=60)
@@ -72,6 +73,24 @@ def test_up_generate_count_and_clean_stop(tiny_model_dir: Path, redis_server: Re
         assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE, f"left running: {child}"
     assert not check("127.0.0.1:50051", timeout_s=0.5)
     assert not log_dir.exists(), f"epd up left its temporary folder {log_dir}"
+
+
+def check_supervision(up: subprocess.Popen, lines: list[str], image: Path, env: dict[str, str]) -> None:
+    """`epd up` supervises: a worker killed with SIGKILL is reported in one line, started again, and serves."""
+    worker = next(c for c in psutil.Process(up.pid).children() if "worker" in c.cmdline())
+    worker.kill()
+    reported: list[str] = []
+    while not any("restarted: worker" in line for line in reported):
+        line = up.stdout.readline()
+        assert line, "epd up exited:\n" + "".join(lines + reported)
+        reported.append(line)
+    exited = [line for line in reported if "exited:" in line]
+    assert len(exited) == 1 and "worker" in exited[0] and "code -9" in exited[0], reported
+    restarted = next(c for c in psutil.Process(up.pid).children() if "worker" in c.cmdline())
+    assert restarted.pid != worker.pid
+    wait_healthy("127.0.0.1:50071", 180, restarted.is_running)
+    generated = _epd("generate", "--image", str(image), "--max-tokens", "4", "Again?", env=env)
+    assert generated.returncode == 0, generated.stderr
 
 
 def readiness(output: str) -> Path:

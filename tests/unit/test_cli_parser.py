@@ -10,7 +10,7 @@ import pytest
 
 from services.cli import _parser, main
 from services.cli_errors import FAILURE, USAGE, UserError, one_line
-from services.cli_request import build_request, read_image
+from services.cli_request import build_request, read_image, read_video
 from services.cli_up import port_rows
 from services.launch.local import ClusterSpec, plan_ports
 from services.launch.preflight import check_model, check_ports, port_in_use, resolve_device
@@ -171,6 +171,24 @@ def test_read_image_refuses_what_is_not_an_image(tmp_path: Path) -> None:
     for path, message in ((text, "is not an image"), (tmp_path, "is a folder"), (tmp_path / "no.png", "not found")):
         with pytest.raises(UserError, match=message) as raised:
             read_image(path)
+        assert raised.value.exit_code == USAGE
+
+
+def test_videos_go_after_the_images_and_must_be_videos(tmp_path: Path) -> None:
+    clip, image = tmp_path / "clip.webm", tmp_path / "a.png"
+    clip.write_bytes(media_factory.video(64, 48, seconds=1, fps=10, container="webm"))
+    image.write_bytes(media_factory.png(8, 8))
+    args = _parser().parse_args(["count", "--image", str(image), "--video", str(clip), "What happens?"])
+    user = build_request(args).messages[0]
+    assert [part.WhichOneof("part") for part in user.content] == ["image", "video", "text"]
+    assert user.content[1].video.data == clip.read_bytes()
+    for path, message in (
+        (image, "is not an MP4 or WebM"),
+        (tmp_path, "is a folder"),
+        (tmp_path / "no.mp4", "not found"),
+    ):
+        with pytest.raises(UserError, match=f"video file .*{message}") as raised:
+            read_video(path)
         assert raised.value.exit_code == USAGE
 
 

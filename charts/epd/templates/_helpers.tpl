@@ -52,17 +52,29 @@ app.kubernetes.io/part-of: epd
 {{/* Addresses ----------------------------------------------------------------------------- */}}
 
 {{- define "epd.redisUrl" -}}
-{{- if .Values.redis.external.url }}
-{{- .Values.redis.external.url }}
-{{- else if .Values.redis.enabled }}
-{{- printf "redis://%s-redis:6379/0" (include "epd.fullname" .) }}
-{{- else }}
-{{- fail "redis: set redis.enabled=true (bundled) or redis.external.url" }}
+{{- if regexMatch "^rediss?://[^/@]*:[^/@]*@" .Values.redis.external.url }}
+{{- fail "redis.external.url must not hold a password: put it in a Secret (redis.auth.existingSecret, or the whole URL in redis.external.existingSecret)" }}
 {{- end }}
+{{- $url := "" }}
+{{- if .Values.redis.external.url }}
+{{- $url = .Values.redis.external.url }}
+{{- else if .Values.redis.external.existingSecret }}
+{{- $url = "" }}
+{{- else if .Values.redis.enabled }}
+{{- $url = printf "redis://%s-redis:6379/0" (include "epd.fullname" .) }}
+{{- else }}
+{{- fail "redis: set redis.enabled=true (bundled), redis.external.url or redis.external.existingSecret" }}
+{{- end }}
+{{- if and $url .Values.redis.auth.existingSecret }}
+{{- /* The password stays in its Secret: Kubernetes expands $(REDIS_PASSWORD) in the pod. */}}
+{{- $scheme := ternary "rediss://" "redis://" (hasPrefix "rediss://" $url) }}
+{{- $url = printf "%s:$(REDIS_PASSWORD)@%s" $scheme (trimPrefix $scheme $url) }}
+{{- end }}
+{{- $url }}
 {{- end }}
 
 {{- define "epd.bundledRedis" -}}
-{{- if and .Values.redis.enabled (not .Values.redis.external.url) }}true{{ end }}
+{{- if and .Values.redis.enabled (not .Values.redis.external.url) (not .Values.redis.external.existingSecret) }}true{{ end }}
 {{- end }}
 
 {{- define "epd.workerHost" -}}

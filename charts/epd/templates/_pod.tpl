@@ -14,6 +14,7 @@
   "EPD_DEVICE" (ternary "cuda" "cpu" $gpu)
   "EPD_DTYPE" (default (ternary "bfloat16" "float32" $gpu) $root.Values.dtype)
   "EPD_LOG_LEVEL" $root.Values.logLevel
+  "EPD_DRAIN_TIMEOUT_S" (toString .comp.drainTimeoutSeconds)
   "HOME" "/tmp"
   "HF_HUB_OFFLINE" "1"
 }}
@@ -69,25 +70,53 @@ resources:
   {{- toYaml $res | nindent 2 }}
 {{- end }}
 
-{{/* gRPC probes: (dict "port" 50071 "startup" .Values.worker.startupProbe) */}}
+{{/* Probes: (dict "root" $ "name" "worker" "port" 50071 "startup" .Values.worker.startupProbe). gRPC health
+     probes, except with TLS on (the kubelet's gRPC probe has no TLS): then services/launch/health.py over mTLS
+     with the pod's own certificate (no torch import: quick), or a TCP check for a router whose public pair is
+     not of the cluster CA. */}}
+{{- define "epd.probeAction" -}}
+{{- if not .root.Values.tls.enabled -}}
+grpc:
+  port: {{ .port }}
+{{- else if include "epd.execProbes" . -}}
+exec:
+  command: ["python", "-m", "services.launch.health", "127.0.0.1:{{ .port }}"]
+{{- else -}}
+tcpSocket:
+  port: {{ .port }}
+{{- end }}
+{{- end }}
+
 {{- define "epd.probes" -}}
 startupProbe:
-  grpc:
-    port: {{ .port }}
+  {{- include "epd.probeAction" . | nindent 2 }}
   periodSeconds: {{ .startup.periodSeconds }}
   failureThreshold: {{ .startup.failureThreshold }}
 readinessProbe:
-  grpc:
-    port: {{ .port }}
+  {{- include "epd.probeAction" . | nindent 2 }}
   periodSeconds: 5
   timeoutSeconds: 3
   failureThreshold: 3
 livenessProbe:
-  grpc:
-    port: {{ .port }}
+  {{- include "epd.probeAction" . | nindent 2 }}
   periodSeconds: 10
   timeoutSeconds: 5
   failureThreshold: 6
+{{- end }}
+
+{{/* Graceful shutdown: (dict "comp" .Values.worker "name" "worker"). preStop sleeps while endpoints drop the
+     pod; then SIGTERM starts the service's drain (EPD_DRAIN_TIMEOUT_S); the grace period must cover both. */}}
+{{- define "epd.lifecycle" -}}
+{{- $drain := int .comp.drainTimeoutSeconds }}
+{{- $sleep := int .comp.preStopSleepSeconds }}
+{{- $grace := int .comp.terminationGracePeriodSeconds }}
+{{- if le $grace (add $drain $sleep) }}
+{{- fail (printf "%s: terminationGracePeriodSeconds (%d) must exceed drainTimeoutSeconds + preStopSleepSeconds (%d + %d), or the drain is cut short" .name $grace $drain $sleep) }}
+{{- end -}}
+lifecycle:
+  preStop:
+    exec:
+      command: ["sleep", "{{ $sleep }}"]
 {{- end }}
 
 {{/* Pod-level settings: (dict "root" $ "comp" .Values.router) */}}

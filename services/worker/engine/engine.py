@@ -268,9 +268,9 @@ class Engine:
             )
 
     def _validate_media(self, seq: Sequence) -> None:
-        end = 0
+        end, prompt = 0, seq.num_prompt_tokens - seq.num_generated_before  # media lies in the request's own prompt
         for item in seq.media:
-            if item.offset < end or item.num_tokens <= 0 or item.offset + item.num_tokens > seq.num_tokens:
+            if item.offset < end or item.num_tokens <= 0 or item.offset + item.num_tokens > prompt:
                 raise ValueError(
                     f"request {seq.request_id!r}: media item at {item.offset} (+{item.num_tokens}) overlaps, "
                     f"is out of order or runs past the prompt"

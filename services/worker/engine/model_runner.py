@@ -98,8 +98,9 @@ class ModelRunner:
         tensor ops and preparing a request touches no device.
         """
         items = [PlacedItem(m.offset, tuple(m.grid_thw), m.modality, m.second_per_grid_t) for m in seq.media]
-        prompt = self.adapter.prompt_positions(None, seq.token_ids[: seq.num_prompt_tokens], items)
-        tail = self.adapter.decode_positions(seq.num_prompt_tokens, seq.sampling.max_tokens, prompt.rope_delta)
+        original = seq.num_prompt_tokens - seq.num_generated_before  # a migrated request's own prompt
+        prompt = self.adapter.prompt_positions(None, seq.token_ids[:original], items)
+        tail = self.adapter.decode_positions(original, seq.max_num_tokens - original, prompt.rope_delta)
         seq.positions = torch.cat([prompt.positions, tail], dim=1).tolist()
 
     @torch.inference_mode()

@@ -67,6 +67,9 @@ class EngineRequest:
     media: list[MediaInput] = field(default_factory=list)
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     cache_salt: str = ""
+    generated_tokens: int = 0
+    """The last ``generated_tokens`` of ``token_ids`` were generated elsewhere (a migrated request): they are
+    prefilled like the prompt but positioned as decoded text, as ``generate`` positions its own output."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,10 @@ class Sampler:
     then draw by an exponential race, ``argmax(p / E)`` with ``E ~ Exp(1)`` (the same distribution as
     ``multinomial``, with no host sync). Each row's ``E`` comes from its request's own device generator
     when it has a seed, so a seeded request draws the same numbers alone or in any batch; else from the
-    sampler's shared generator. The few per-row parameters go up through ``io`` (pinned, non-blocking).
+    sampler's shared generator. A seeded row's generator is reseeded for each token from the seed and the
+    token's position (``position_seed``), so the draws depend on nothing else: a request continued elsewhere
+    with its prompt plus the tokens generated so far (a router migration) draws the same numbers. The few
+    per-row parameters go up through ``io`` (pinned, non-blocking).
     Log-probabilities are the log-softmax of the raw logits, computed here too; ``sample_to_host`` brings the
     ids and them back in one copy.
     """

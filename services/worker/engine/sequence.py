@@ -40,6 +40,8 @@ class Sequence:
         self.seq_id: tuple[str, int] = (request.request_id, index)
         self.token_ids: list[int] = list(request.token_ids)
         self.num_prompt_tokens: int = len(self.token_ids)
+        self.num_generated_before: int = min(request.generated_tokens, self.num_prompt_tokens)
+        """Trailing prompt tokens a previous worker generated (a migrated request): text at decode positions."""
         self.media: list[MediaInput] = list(request.media)
         self.sampling: SamplingOptions = choice_sampling(request.sampling, index)
         self.parent = parent

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "media", "sampling", "cache_salt", "embedding_timeout_s")
+    __slots__ = ("request_id", "token_ids", "media", "sampling", "cache_salt", "embedding_timeout_s", "generated_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     media: _containers.RepeatedCompositeFieldContainer[_common_pb2.MediaRef]
     sampling: _common_pb2.SamplingParams
     cache_salt: str
     embedding_timeout_s: float
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., media: _Optional[_Iterable[_Union[_common_pb2.MediaRef, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., embedding_timeout_s: _Optional[float] = ...) -> None: ...
+    generated_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., media: _Optional[_Iterable[_Union[_common_pb2.MediaRef, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., embedding_timeout_s: _Optional[float] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerResponse(_message.Message):
     __slots__ = ("token_ids", "finished", "finish_reason", "cached_tokens", "prefill_s", "encode_wait_s", "admitted", "state_at", "index", "logprobs")

@@ -1,0 +1,69 @@
+"""One client stream's state across the worker attempts that serve it: output, tokens so far, timing, Final.
+
+A request that migrates (services/router/migration.py) keeps one `StreamState`: the choices' detokenizers
+and stop strings, the token ids streamed (`progress`), the first-token timing of the first attempt and the
+queue and encode time of all of them. Invariant: what the client received is exactly `progress`'s tokens,
+in order, and the Final's usage counts them (`completion_tokens`) and the migrations.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from services.common.rpc.epd.v1 import generation_pb2, worker_pb2
+from services.router.accounting import Accounted
+from services.router.metrics import RouterMetrics
+from services.router.migration import Progress
+from services.router.output import Choices
+
+
+@dataclass
+class StreamState:
+    choices: Choices
+    progress: Progress
+    start: float  # perf_counter at the request's arrival
+    queue_s: float = 0.0
+    encode_s: float = 0.0
+    first_token_s: float = 0.0
+    prefill_s: float = 0.0
+    cached: int = 0
+    _last: float = field(default=0.0, repr=False)
+
+    def take(self, response: worker_pb2.WorkerResponse, metrics: RouterMetrics) -> generation_pb2.Chunk | None:
+        """A worker response in: record its timing, keep its tokens, return the chunk to stream (if any)."""
+        now = time.perf_counter()
+        if not self.first_token_s:
+            self.first_token_s, self.prefill_s, self._last = now - self.start, response.prefill_s, now
+            metrics.ttft_seconds.record(self.first_token_s)
+        elif response.index == 0:  # inter-token latency of choice 0 (the others arrive alongside)
+            metrics.itl_seconds.record(now - self._last)
+            self._last = now
+        if response.index == 0:
+            self.cached = response.cached_tokens
+        chunk = self.choices.chunk(response)
+        if chunk is not None:
+            self.progress.add(response.index, list(response.token_ids))
+        return chunk
+
+    def final(self, accounted: Accounted, request_id: str, migrations: int) -> generation_pb2.Final:
+        usage = generation_pb2.Usage(
+            prompt_tokens=accounted.prompt_tokens,
+            text_tokens=accounted.text_tokens,
+            image_tokens=accounted.image_tokens,
+            video_tokens=accounted.video_tokens,
+            completion_tokens=sum(stream.completion_tokens for stream in self.choices.streams),
+            cached_tokens=min(self.cached, accounted.prompt_tokens),
+            migrations=migrations,
+        )
+        timing = generation_pb2.Timing(
+            queue_s=self.queue_s,
+            encode_s=self.encode_s,
+            prefill_s=self.prefill_s,
+            first_token_s=self.first_token_s,
+            total_s=time.perf_counter() - self.start,
+        )
+        ends = self.choices.ends()
+        return generation_pb2.Final(
+            finish_reason=ends[0].finish_reason, usage=usage, timing=timing, request_id=request_id, choices=ends
+        )

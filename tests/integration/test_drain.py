@@ -1,0 +1,156 @@
+"""Graceful drain on SIGTERM (issue 15): a rolling restart of every service under load loses nothing.
+
+One cluster for the module: 2 routers (the client balances over both, retrying UNAVAILABLE before an answer
+as a client behind router replicas does), 2 encoders, 2 workers, every service supervised as `epd up` does.
+SIGTERM drains a service (docs/reliability.md) and the supervisor starts it again. A worker whose drain
+timeout passes ends its requests and their routers migrate them: outputs stay token for token the same.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from services.common.registry import Registry
+from services.launch import local
+from services.launch.health import wait_healthy
+from services.launch.supervisor import Supervisor
+from tests.integration.conftest import RedisServer
+from tests.reliability_support import (
+    Load,
+    describe,
+    image_request,
+    metric_by_label,
+    run_all,
+    settled_workers,
+    text_request,
+)
+
+
+@dataclass
+class Replicated:
+    cluster: local.LocalCluster
+    second_router: local.Process
+
+    @property
+    def routers(self) -> list[local.Process]:
+        return [self.cluster.router, self.second_router]
+
+    @property
+    def addresses(self) -> list[str]:
+        return [p.address for p in self.routers]
+
+    @property
+    def processes(self) -> list[local.Process]:
+        return [*self.routers, *self.cluster.encoders, *self.cluster.workers]
+
+
+@pytest.fixture(scope="module")
+def replicated(tiny_model_dir: Path, redis_server: RedisServer, tmp_path_factory) -> Iterator[Replicated]:
+    log_dir = tmp_path_factory.mktemp("logs")
+    spec = local.ClusterSpec(
+        tiny_model_dir, encoders=2, workers=2, redis_url=redis_server.url, free_ports=True, log_dir=log_dir
+    )
+    cluster = local.start_cluster(spec)
+    env = {**cluster.router.env, "EPD_HTTP_PORT": "0"}
+    second = local.spawn("router", local.free_port(), local.free_port(), env, log_dir)
+    replicated = Replicated(cluster, second)
+    try:
+        wait_healthy(second.address, 120, lambda: second.popen.poll() is None)
+        with Supervisor(replicated.processes, report=lambda line: None):
+            yield replicated
+    finally:
+        second.popen.terminate()
+        second.popen.wait(30)
+        cluster.stop()
+
+
+def _restart(process: local.Process) -> None:
+    """SIGTERM `process` (it drains and exits) and wait until the supervisor's new one serves."""
+    old = process.popen
+    os.kill(old.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 180
+    while process.popen is old and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert process.popen is not old, f"{process.role} at {process.address} was not restarted"
+    assert old.returncode == 0, f"{process.role} at {process.address} exited with {old.returncode} on SIGTERM"
+    wait_healthy(process.address, 180, lambda: True)
+
+
+def _registered(redis_url: str, role: str, address: str) -> None:
+    registry = Registry(redis_url)
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:
+            if any(m.address == address for m in registry.members(role) or []):
+                return
+            time.sleep(0.1)
+    finally:
+        registry.close()
+    raise AssertionError(f"{role} {address} did not register again")
+
+
+def test_rolling_restart_of_every_service_under_load_fails_nothing(replicated: Replicated) -> None:
+    """Acceptance 2: SIGTERM to each router, encoder and worker in turn while requests run: 0 failed."""
+    cluster = replicated.cluster
+    settled_workers(cluster.redis_url, 2)
+
+    def make(i: int):
+        return image_request(30_000 + i, 32) if i % 2 else text_request(i, 32)
+
+    with Load(replicated.addresses, make, clients=4) as load:
+        time.sleep(2)
+        for process in replicated.processes:
+            _restart(process)
+            if process.role != "router":
+                _registered(cluster.redis_url, process.role, process.address)
+            time.sleep(2)  # as a rollout waits for readiness: clients reconnect to it before the next one goes
+    assert len(load.outcomes) >= 12, len(load.outcomes)
+    assert not load.failures(), describe(load.failures())
+    assert all(len(o.token_ids) == 32 for o in load.outcomes)
+    settled_workers(cluster.redis_url, 2)
+
+
+def test_drain_timeout_ends_requests_and_their_routers_migrate_them(replicated: Replicated) -> None:
+    """Workers with EPD_DRAIN_TIMEOUT_S=0: SIGTERM to the busy one ends its streams at once; each continues on
+    the other worker (reason `drain`), token for token as in an undisturbed run."""
+    cluster = replicated.cluster
+    for worker in cluster.workers:  # restarted while idle, with a drain timeout of 0 from now on
+        worker.env = {**worker.env, "EPD_DRAIN_TIMEOUT_S": "0"}
+        _restart(worker)
+    settled_workers(cluster.redis_url, 2)
+    router = [cluster.address]
+    calm = run_all(router, [image_request(i, 120, salt="calm") for i in range(8)])
+    assert all(o.ok for o in calm), describe([o for o in calm if not o.ok])
+    drains_before = metric_by_label(cluster.router.metrics_port, "epd_migrations_total", "reason").get("drain", 0)
+    started: set[int] = set()
+    everyone = threading.Event()
+
+    def on_chunk(index: int) -> None:
+        started.add(index)
+        if len(started) == 8:
+            everyone.set()
+
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(run_all, router, [image_request(i, 120, salt="drained") for i in range(8)], 120, on_chunk)
+        assert everyone.wait(120)
+        registry = Registry(cluster.redis_url)
+        busy = max(registry.members("worker") or [], key=lambda m: m.state["running"]).address
+        registry.close()
+        os.kill(next(w for w in cluster.workers if w.address == busy).popen.pid, signal.SIGTERM)
+        drained = running.result()
+    assert all(o.ok for o in drained), describe([o for o in drained if not o.ok])
+    assert [o.token_ids for o in drained] == [o.token_ids for o in calm]
+    drains = metric_by_label(cluster.router.metrics_port, "epd_migrations_total", "reason").get("drain", 0)
+    assert drains - drains_before == sum(o.migrations for o in drained) > 0
+    for worker in cluster.workers:
+        wait_healthy(worker.address, 180, lambda: True)
+    settled_workers(cluster.redis_url, 2)
