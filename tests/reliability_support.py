@@ -90,6 +90,18 @@ class Outcome:
         return self.final.usage.migrations if self.final is not None else 0
 
 
+CONNECT_RETRY_S = 30.0
+"""How long a request that reached no router at all (every router address refusing connections, as during a
+rolling restart on a loaded box) is sent again, as a client behind router replicas retries; a status that
+a router returned is never retried."""
+
+
+def _unreached(code: grpc.StatusCode, details: str) -> bool:
+    """The call failed before any router took it: gRPC found no connectable address."""
+    text = details.lower()
+    return code == grpc.StatusCode.UNAVAILABLE and ("failed to connect" in text or "connection refused" in text)
+
+
 def stream_one(
     stub: generation_pb2_grpc.GenerationStub,
     index: int,
@@ -97,17 +109,21 @@ def stream_one(
     timeout_s: float,
     on_chunk: Callable[[int], None] = lambda index: None,
 ) -> Outcome:
-    outcome = Outcome(index)
-    try:
-        for response in stub.Generate(request, timeout=timeout_s):
-            if response.HasField("chunk"):
-                outcome.token_ids.extend(response.chunk.token_ids)
-                on_chunk(index)
-            else:
-                outcome.final = response.final
-    except grpc.RpcError as exc:
-        outcome.code, outcome.details = exc.code(), exc.details() or ""
-    return outcome
+    deadline = time.monotonic() + CONNECT_RETRY_S
+    while True:
+        outcome = Outcome(index)
+        try:
+            for response in stub.Generate(request, timeout=timeout_s):
+                if response.HasField("chunk"):
+                    outcome.token_ids.extend(response.chunk.token_ids)
+                    on_chunk(index)
+                else:
+                    outcome.final = response.final
+        except grpc.RpcError as exc:
+            outcome.code, outcome.details = exc.code(), exc.details() or ""
+        if outcome.token_ids or not _unreached(outcome.code, outcome.details) or time.monotonic() > deadline:
+            return outcome
+        time.sleep(0.5)
 
 
 def run_all(
