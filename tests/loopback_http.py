@@ -9,11 +9,14 @@ from contextlib import contextmanager
 
 
 @contextmanager
-def serving(data: bytes, path: str = "/cat.png") -> Iterator[str]:
-    """Serve ``data`` at ``http://127.0.0.1:<free port><path>`` (any GET path answers) until the block ends."""
+def serving(data: bytes, path: str = "/cat.png", asked: list[str] | None = None) -> Iterator[str]:
+    """Serve ``data`` at ``http://127.0.0.1:<free port><path>`` (any GET path answers) until the block ends;
+    each path asked for is appended to ``asked`` when given."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802
+            if asked is not None:
+                asked.append(self.path)
             self.send_response(200)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()

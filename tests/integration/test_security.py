@@ -11,14 +11,12 @@ template's first block would otherwise be cached for them already).
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import ssl
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,6 +46,7 @@ from services.router.tenants import item_key
 from tests import media_factory
 from tests.certs import CertAuthority, Pair
 from tests.integration.conftest import metric_value
+from tests.loopback_http import serving
 from tests.secure_redis import SecureRedis
 
 KEYS = {t: f"key-{t}" for t in ("alpha", "beta", "small", "gamma", "delta", "epsilon", "zeta")}
@@ -296,25 +295,8 @@ def test_a_tampered_cache_entry_is_a_miss_and_the_answer_is_unchanged(secure: Se
 def counting_media(data: bytes) -> Iterator[tuple[str, list[str]]]:
     """An http media URL on loopback and the list of paths it was asked for."""
     asked: list[str] = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
-            asked.append(self.path)
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}/picture.png", asked
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(data, "/picture.png", asked) as url:
+        yield url, asked
 
 
 def url_request(url: str, max_tokens: int = 4) -> generation_pb2.GenerateRequest:
