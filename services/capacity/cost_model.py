@@ -4,8 +4,9 @@ Per request kind (times in seconds, from `profile.py`'s curves; B = sequences de
 h = `reuse`, the share of image items already in the embedding cache):
 
     encode      = sum over images of prepare(megapixels) + tower(tokens)          (a cache miss)
-    cache_write = sum over images of redis_put(embedding bytes)                    (the encoder writes every miss)
-    cache_read  = sum over images of redis_get(embedding bytes)                    (the worker reads every hit)
+                + per video, frames x prepare(frame megapixels) + groups x tower(tokens / groups)
+    cache_write = sum over items of redis_put(embedding bytes)                     (the encoder writes every miss)
+    cache_read  = sum over items of redis_get(embedding bytes)                     (the worker reads every hit)
     transfer    = transport(all the request's embedding bytes)                     (one push, disaggregated only)
     prefill     = prefill(text + image tokens)
     decode      = (output - 1) x decode(B, prompt + output / 2)
@@ -16,6 +17,11 @@ h = `reuse`, the share of image items already in the embedding cache):
                   (a co-located worker runs the tower between the decode steps of its other B - 1 sequences)
     TTFT        = the same without the decode and with serving at one output token
     ITL         = decode(B, context) + serving's per-token term  (co-located worst case: + one request's encode)
+
+A video's frames are costed as images of the frame's size (decoding one frame of a compressed stream and
+preprocessing it is taken to cost what decoding and preprocessing an image does: an estimate, not profiled), and
+its tower as one tower call per temporal patch group (Qwen2-VL's tower attends within a group), so `h` counts
+videos among the items.
 
 Load (a stated simplification: no queueing delay is modelled, only how batching and shared time stretch a
 request): N requests are in the system, `concurrency` for closed-loop clients or rate x T (Little's law) for an
@@ -36,7 +42,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from services.capacity.model_sizes import ImageSize, ModelSizes
+from services.capacity.model_sizes import ImageSize, ModelSizes, VideoSize
 from services.capacity.profile import Profile
 from services.capacity.traffic import RequestClass, Traffic, TrafficError
 
@@ -49,13 +55,14 @@ _ITERATIONS = 100
 
 @dataclass(frozen=True)
 class KindSizes:
-    """One request kind's sizes (no profile needed). Invariant: `prompt_tokens = text + image tokens`."""
+    """One request kind's sizes (no profile needed). Invariant: `prompt_tokens = text + image + video tokens`."""
 
     label: str
     share: float
     images: tuple[ImageSize, ...]
     text_tokens: int
     output_tokens: int
+    videos: tuple[VideoSize, ...] = ()
 
     @property
     def image_tokens(self) -> int:
@@ -67,23 +74,32 @@ class KindSizes:
         return None if any(c is None for c in counts) else sum(c for c in counts if c is not None)
 
     @property
+    def video_tokens(self) -> int:
+        return sum(v.tokens for v in self.videos)
+
+    @property
+    def media_items(self) -> int:
+        return len(self.images) + len(self.videos)
+
+    @property
     def prompt_tokens(self) -> int:
-        return self.text_tokens + self.image_tokens
+        return self.text_tokens + self.image_tokens + self.video_tokens
 
     @property
     def embedding_bytes(self) -> int:
-        return sum(i.embedding_bytes for i in self.images)
+        return sum(i.embedding_bytes for i in self.images) + sum(v.embedding_bytes for v in self.videos)
 
 
 def kind_sizes(sizes: ModelSizes, kind: RequestClass, index: int = 0) -> KindSizes:
-    """Tokens and bytes of one request kind; raises TrafficError for what the plan cannot count (video)."""
-    if kind.video_seconds > 0:
-        raise TrafficError(
-            f"requests[{index}].video_seconds: {kind.video_seconds:g} s of video, but epd plan does not count "
-            "video tokens yet (set it to 0)"
-        )
+    """Tokens and bytes of one request kind; raises TrafficError for a video the model cannot take."""
     images = tuple(sizes.image(w, h) for w, h in kind.images)
-    return KindSizes(kind.label(), kind.share, images, kind.text_tokens, kind.output_tokens)
+    videos: tuple[VideoSize, ...] = ()
+    if kind.video_size is not None:
+        try:
+            videos = (sizes.video(*kind.video_size, kind.video_seconds, kind.video_fps),)
+        except ValueError as exc:
+            raise TrafficError(f"requests[{index}].video_seconds: {exc}") from None
+    return KindSizes(kind.label(), kind.share, images, kind.text_tokens, kind.output_tokens, videos)
 
 
 @dataclass(frozen=True)
@@ -147,12 +163,14 @@ class CostModel:
         p = self.profile
         batch = max(1.0, batch)
         encode = sum(p.image_encode_s(i.width * i.height / 1e6, i.tokens) for i in kind.images)
-        write = sum(p.transfer_s("redis_put", i.embedding_bytes) for i in kind.images)
-        read = sum(p.transfer_s("redis_get", i.embedding_bytes) for i in kind.images)
+        encode += sum(video_encode_s(p, v) for v in kind.videos)
+        items = [i.embedding_bytes for i in kind.images] + [v.embedding_bytes for v in kind.videos]
+        write = sum(p.transfer_s("redis_put", nbytes) for nbytes in items)
+        read = sum(p.transfer_s("redis_get", nbytes) for nbytes in items)
         transfer = p.transfer_s(self.transport, kind.embedding_bytes)
         context = kind.prompt_tokens + kind.output_tokens / 2
         step = p.decode(batch=batch, context=context)
-        images, image_tokens = len(kind.images), kind.image_tokens
+        images, image_tokens = kind.media_items, kind.image_tokens + kind.video_tokens
         overhead = p.serving(output_tokens=kind.output_tokens, images=images, image_tokens=image_tokens)
         first = p.serving(output_tokens=1, images=images, image_tokens=image_tokens)
         others = encode_load * (1.0 - 1.0 / batch)
@@ -173,6 +191,12 @@ class CostModel:
 
     def step_s(self, batch: float, context: float) -> float:
         return self.profile.decode(batch=max(1.0, batch), context=context)
+
+
+def video_encode_s(profile: Profile, video: VideoSize) -> float:
+    """Every sampled frame prepared as an image of its size, and one tower call per temporal group."""
+    prepare = video.frames * profile.prepare(megapixels=video.width * video.height / 1e6)
+    return prepare + video.temporal_groups * profile.tower(tokens=video.tokens / video.temporal_groups)
 
 
 @dataclass(frozen=True)

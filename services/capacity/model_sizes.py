@@ -1,9 +1,10 @@
-"""What a model folder's config says about sizes: tokens per image, KV bytes per token, embedding bytes.
+"""What a model folder's config says about sizes: tokens per image and video, KV bytes per token, embedding bytes.
 
 Read from config, tokenizer and processor settings only (`load_adapter`, `AutoConfig`): never the weights, so a
 folder without them (a config saved from `services/models/shapes.py`) plans as well as a real checkpoint.
 Every number comes from the adapter or the config: tokens from `adapter.image_tokens` (the saved processor's
 pixel limits) and, when the adapter has it, `adapter.image_tokens_uncapped` (the same rule with no max_pixels);
+video tokens from `adapter.video_tokens` (the saved video processor's frame sampling and pixel limits);
 KV bytes per token = 2 (K and V) x layers x KV heads x head dim x dtype bytes (`KVShape.block_bytes` of a
 1-token block); embedding bytes = image tokens x hidden size x dtype bytes.
 """
@@ -39,6 +40,28 @@ class ImageSize:
     kv_bytes: int
     embedding_bytes_uncapped: int | None
     kv_bytes_uncapped: int | None
+
+
+@dataclass(frozen=True)
+class VideoSize:
+    """One video of a given frame size, length and rate as the model sees it (its own frame sampling).
+
+    Invariants: `frames` are the frames sampled from `seconds x fps` (at least 1); `embedding_bytes == tokens *
+    hidden * dtype bytes`, `kv_bytes == tokens * kv_bytes_per_token`; `temporal_groups` is the tower's number of
+    temporal patches (it attends within each, so its cost is that many towers over `tokens / temporal_groups`).
+    """
+
+    width: int
+    height: int
+    seconds: float
+    fps: float
+    frames: int
+    temporal_groups: int
+    tokens: int
+    resized_width: int
+    resized_height: int
+    embedding_bytes: int
+    kv_bytes: int
 
 
 @dataclass(frozen=True)
@@ -84,6 +107,30 @@ class ModelSizes:
             kv_bytes=item.num_tokens * self.kv_bytes_per_token,
             embedding_bytes_uncapped=None if uncapped is None else uncapped * self.embedding_bytes_per_token,
             kv_bytes_uncapped=None if uncapped is None else uncapped * self.kv_bytes_per_token,
+        )
+
+    def video(self, width: int, height: int, seconds: float, fps: float) -> VideoSize:
+        """Frames, tokens and bytes of one video (the adapter's sampling and resize rule, from its header alone).
+
+        Raises ValueError when the model takes no video, or the adapter's VideoError for a size it refuses.
+        """
+        rule = getattr(self.adapter, "video_tokens", None)
+        if rule is None:
+            raise ValueError(f"{self.model_type} models take no video")
+        total_frames = max(1, round(seconds * fps))
+        item = rule(width, height, total_frames, fps)
+        return VideoSize(
+            width=width,
+            height=height,
+            seconds=seconds,
+            fps=fps,
+            frames=len(item.frame_indices),
+            temporal_groups=item.grid_thw[0],
+            tokens=item.num_tokens,
+            resized_width=item.resized_width,
+            resized_height=item.resized_height,
+            embedding_bytes=item.num_tokens * self.embedding_bytes_per_token,
+            kv_bytes=item.num_tokens * self.kv_bytes_per_token,
         )
 
 

@@ -57,8 +57,8 @@ class Plan:
             )
         if reasons:
             return "disaggregated", reasons
-        if not any(k.images for k in self.kinds):
-            return "co-located", ["no request carries an image: an encoder pool would sit idle"]
+        if not any(k.media_items for k in self.kinds):
+            return "co-located", ["no request carries an image or a video: an encoder pool would sit idle"]
         return "co-located", [
             f"co-located requests take {1000 * co.request_s:.1f} ms against {1000 * dis.request_s:.1f} ms with an "
             "encoder pool (no transfer), and the targets hold"
@@ -186,14 +186,29 @@ def _kind_json(plan: Plan, index: int) -> dict[str, Any]:
             }
             for i in kind.images
         ],
+        "videos": [
+            {
+                "size": f"{v.width}x{v.height}",
+                "seconds": v.seconds,
+                "fps": v.fps,
+                "frames": v.frames,
+                "tokens": v.tokens,
+                "resized": f"{v.resized_width}x{v.resized_height}",
+                "embedding_bytes": v.embedding_bytes,
+                "kv_bytes": v.kv_bytes,
+            }
+            for v in kind.videos
+        ],
         "text_tokens": kind.text_tokens,
         "image_tokens": kind.image_tokens,
+        "video_tokens": kind.video_tokens,
         "image_tokens_uncapped": kind.image_tokens_uncapped,
         "prompt_tokens": kind.prompt_tokens,
         "output_tokens": kind.output_tokens,
         "embedding_bytes": kind.embedding_bytes,
         "kv_bytes": (kind.prompt_tokens + kind.output_tokens) * kv_per_token,
         "image_kv_bytes": kind.image_tokens * kv_per_token,
+        "video_kv_bytes": kind.video_tokens * kv_per_token,
     }
     if plan.disaggregated is not None and plan.colocated is not None:
         t, c = plan.disaggregated.times.per_kind[index], plan.colocated.times.per_kind[index]
@@ -241,8 +256,12 @@ def plan_table(report: dict[str, Any]) -> str:
             lines.append("  " + _image_line(image))
     if not seen:
         lines.append("  (none)")
+    videos = [v for kind in report["requests"] for v in kind["videos"]]
+    if videos:
+        lines.append("videos:")
+        lines += ["  " + _video_line(v) for v in {_video_line(v): v for v in videos}.values()]
     timed = report["times"] is not None
-    header = ["request kind", "share", "img tok", "prompt", "out", "KV MiB", "emb MiB"]
+    header = ["request kind", "share", "media tok", "prompt", "out", "KV MiB", "emb MiB"]
     if timed:
         header += ["encode", "xfer", "prefill", "decode", "serve", "TTFT", "total", "co-loc"]
     rows = [header]
@@ -250,7 +269,7 @@ def plan_table(report: dict[str, Any]) -> str:
         row = [
             kind["label"],
             f"{kind['share']:.2f}",
-            f"{kind['image_tokens']:,}",
+            f"{kind['image_tokens'] + kind['video_tokens']:,}",
             f"{kind['prompt_tokens']:,}",
             f"{kind['output_tokens']:,}",
             _mib(kind["kv_bytes"]),
@@ -318,6 +337,14 @@ def _image_line(image: dict[str, Any]) -> str:
         kv, embedding = _bytes(image["kv_bytes_uncapped"]), _bytes(image["embedding_bytes_uncapped"])
         line += f"; uncapped: KV {kv} vs embedding {embedding}"
     return line
+
+
+def _video_line(video: dict[str, Any]) -> str:
+    kv, embedding = _bytes(video["kv_bytes"]), _bytes(video["embedding_bytes"])
+    return (
+        f"{video['size']} {video['seconds']:g} s at {video['fps']:g} fps: {video['frames']} frames sampled, "
+        f"{video['tokens']:,} tokens, resized {video['resized']}; KV {kv} vs embedding {embedding}"
+    )
 
 
 def _bytes(value: float) -> str:

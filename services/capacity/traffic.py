@@ -4,7 +4,9 @@ YAML (or JSON, a subset of it)::
 
     requests:                       # one entry per kind of request; at least one
       - images: ["1344x1008"]       # source sizes WIDTHxHEIGHT, in prompt order (default: none)
-        video_seconds: 0            # video length (default 0; video is not planned yet, so > 0 is refused)
+        video_seconds: 0            # one video of this length per request (default 0: none; Qwen2-VL family)
+        video_size: "1280x720"      # the video's frame size WIDTHxHEIGHT (required when video_seconds > 0)
+        video_fps: 30               # its frame rate (default 30); the model samples its own rate from it
         text_tokens: 100            # text tokens of the prompt, chat template included (default 0)
         output_tokens: 200          # tokens generated (required, >= 1)
         share: 1.0                  # weight of this kind in the mix (default 1; normalised over the list)
@@ -29,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 _SIZE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
-_CLASS_KEYS = {"images", "video_seconds", "text_tokens", "output_tokens", "share"}
+_CLASS_KEYS = {"images", "video_seconds", "video_size", "video_fps", "text_tokens", "output_tokens", "share"}
 _TOP_KEYS = {"requests", "reuse", "rate", "concurrency", "ttft_ms", "itl_ms"}
 
 
@@ -39,21 +41,27 @@ class TrafficError(ValueError):
 
 @dataclass(frozen=True)
 class RequestClass:
-    """One kind of request of the mix; `images` are (width, height) source sizes in prompt order."""
+    """One kind of request of the mix; `images` are (width, height) source sizes in prompt order.
+
+    Invariant: `video_size` is set exactly when `video_seconds > 0` (one video per request of this kind).
+    """
 
     images: tuple[tuple[int, int], ...]
     text_tokens: int
     output_tokens: int
     share: float
     video_seconds: float = 0.0
+    video_size: tuple[int, int] | None = None
+    video_fps: float = 30.0
 
     def label(self) -> str:
-        """A short name: `2 img 1344x1008 + 100 txt -> 200 out`."""
+        """A short name: `2 img 1344x1008 + 100 txt -> 200 out`, `video 10s 1280x720 + 50 txt -> 100 out`."""
+        head = ""
         if self.images:
             sizes = sorted({f"{w}x{h}" for w, h in self.images})
             head = f"{len(self.images)} img {'/'.join(sizes)} + "
-        else:
-            head = ""
+        if self.video_size is not None:
+            head += f"video {self.video_seconds:g}s {self.video_size[0]}x{self.video_size[1]} + "
         return f"{head}{self.text_tokens} txt -> {self.output_tokens} out"
 
 
@@ -126,10 +134,10 @@ def parse_size(text: Any, where: str) -> tuple[int, int]:
     """`"1344x1008"` -> (1344, 1008); raises TrafficError naming `where` otherwise."""
     match = _SIZE.match(str(text)) if isinstance(text, str) else None
     if match is None:
-        raise TrafficError(f'{where}: must be an image size WIDTHxHEIGHT such as "1344x1008", got {text!r}')
+        raise TrafficError(f'{where}: must be a size WIDTHxHEIGHT such as "1344x1008", got {text!r}')
     width, height = int(match.group(1)), int(match.group(2))
     if width < 1 or height < 1:
-        raise TrafficError(f"{where}: an image size must be at least 1x1, got {text!r}")
+        raise TrafficError(f"{where}: a size must be at least 1x1, got {text!r}")
     return width, height
 
 
@@ -144,12 +152,22 @@ def _request_class(item: Any, where: str) -> RequestClass:
         raise TrafficError(f'{where}.images: must be a list of sizes such as ["1344x1008"]')
     if "output_tokens" not in item:
         raise TrafficError(f"{where}.output_tokens: missing (tokens generated per request, >= 1)")
+    video_seconds = _number(item, "video_seconds", f"{where}.", low=0.0, default=0.0)
+    video_size = None
+    if video_seconds > 0:
+        if item.get("video_size") is None:
+            raise TrafficError(f"{where}.video_size: missing (the video's WIDTHxHEIGHT, needed with video_seconds)")
+        video_size = parse_size(item["video_size"], f"{where}.video_size")
+    elif item.get("video_size") is not None or item.get("video_fps") is not None:
+        raise TrafficError(f"{where}.video_seconds: must be above 0 when video_size or video_fps is given")
     return RequestClass(
         images=tuple(parse_size(s, f"{where}.images[{i}]") for i, s in enumerate(images)),
         text_tokens=_whole(item, "text_tokens", f"{where}.", low=0, default=0),
         output_tokens=_whole(item, "output_tokens", f"{where}.", low=1, default=None),
         share=_number(item, "share", f"{where}.", low=0.0, strict=True, default=1.0),
-        video_seconds=_number(item, "video_seconds", f"{where}.", low=0.0, default=0.0),
+        video_seconds=video_seconds,
+        video_size=video_size,
+        video_fps=_number(item, "video_fps", f"{where}.", low=0.0, strict=True, default=30.0),
     )
 
 

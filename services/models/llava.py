@@ -33,7 +33,7 @@ from services.models.base import (
     Positions,
     PromptError,
 )
-from services.models.loading import load_folder_parts
+from services.models.folder_adapter import FolderAdapter
 from services.models.prompt import check_no_special_text, count_image_parts, expand_placeholders
 
 if TYPE_CHECKING:  # PIL only for annotations: the worker's model side runs without it
@@ -45,7 +45,7 @@ the shorter side to 336 before cropping, so a 1 x 5000 image would be resized to
 STRATEGIES = ("default", "full")
 
 
-class LlavaAdapter:
+class LlavaAdapter(FolderAdapter):
     """Adapter for one LLaVA-1.5 model folder (config, tokenizer, image processor; never the weights).
 
     Stateless between calls, so one instance may serve many threads. Invariant: `image_tokens(w, h)` is
@@ -59,15 +59,7 @@ class LlavaAdapter:
     def __init__(
         self, model_dir: Path | None, config: Any, tokenizer: Any | None, image_processor: Any | None, eos: list[int]
     ) -> None:
-        self.model_dir = Path(model_dir) if model_dir is not None else None
-        self.config = config
-        self.tokenizer = tokenizer
-        self.image_processor = image_processor
-        self.model_type: str = config.model_type
-        self.image_token_id: int = int(config.image_token_id)
-        self.eos_token_ids: list[int] = eos
-        self.max_context: int = int(config.text_config.max_position_embeddings)
-        self.hidden_size: int = int(config.text_config.hidden_size)
+        super().__init__(model_dir, config, tokenizer, image_processor, eos)
         vision = config.vision_config
         self.image_size: int = int(vision.image_size)
         self.patch_size: int = int(vision.patch_size)
@@ -77,23 +69,8 @@ class LlavaAdapter:
         side = self.image_size // self.patch_size
         self.grid: tuple[int, int, int] = (1, side, side)
         self.tokens_per_image: int = side * side + (1 if strategy == "full" else 0)
-        self._special_tokens: list[str] = []
         if image_processor is not None:
             self._check_processor_matches_model()
-        if tokenizer is not None:
-            self._special_tokens = sorted(set(tokenizer.added_tokens_encoder) | set(tokenizer.all_special_tokens))
-
-    @classmethod
-    def from_folder(cls, model_dir: Path) -> LlavaAdapter:
-        """Read config, tokenizer, image processor and eos ids from `model_dir` (no weights)."""
-        parts = load_folder_parts(Path(model_dir))
-        return cls(parts.model_dir, parts.config, parts.tokenizer, parts.image_processor, parts.eos_token_ids)
-
-    @classmethod
-    def from_config(cls, config: Any) -> LlavaAdapter:
-        """The model side only, from a transformers config (no folder, tokenizer or processor)."""
-        eos = config.get_text_config().eos_token_id
-        return cls(None, config, None, None, list(eos) if isinstance(eos, list | tuple) else [int(eos)])
 
     # ----- accounting (router) -----
 
@@ -124,7 +101,7 @@ class LlavaAdapter:
         """
         if not messages:
             raise PromptError("a prompt needs at least one message")
-        check_no_special_text(messages, self._special_tokens)
+        check_no_special_text(messages, self.special_tokens)
         for index, message in enumerate(messages):
             for part in message.parts:
                 if part.kind not in ("text", "image"):

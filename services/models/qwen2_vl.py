@@ -26,7 +26,8 @@ from services.models.base import (
     Positions,
     PromptError,
 )
-from services.models.loading import load_folder_parts, read_video_processor_dict
+from services.models.folder_adapter import FolderAdapter
+from services.models.loading import read_video_processor_dict
 from services.models.prompt import (
     check_no_special_text,
     expand_media_placeholders,
@@ -44,7 +45,7 @@ if TYPE_CHECKING:  # PIL only for annotations: the worker's model side runs with
 log = logging.getLogger(__name__)
 
 
-class Qwen2VLAdapter(Qwen2VLVideoMixin):
+class Qwen2VLAdapter(FolderAdapter, Qwen2VLVideoMixin):
     """Adapter for one Qwen2-VL / Qwen2.5-VL model folder.
 
     Holds config, tokenizer and image processor (never the weights: `load_model` returns them to the
@@ -60,15 +61,7 @@ class Qwen2VLAdapter(Qwen2VLVideoMixin):
     def __init__(
         self, model_dir: Path | None, config: Any, tokenizer: Any | None, image_processor: Any | None, eos: list[int]
     ) -> None:
-        self.model_dir = Path(model_dir) if model_dir is not None else None
-        self.config = config
-        self.tokenizer = tokenizer
-        self.image_processor = image_processor
-        self.model_type: str = config.model_type
-        self.image_token_id: int = int(config.image_token_id)
-        self.eos_token_ids: list[int] = eos
-        self.max_context: int = int(config.text_config.max_position_embeddings)
-        self.hidden_size: int = int(config.text_config.hidden_size)
+        super().__init__(model_dir, config, tokenizer, image_processor, eos)
         vision = config.vision_config
         self.patch_size: int = int(vision.patch_size)
         self.merge_size: int = int(vision.spatial_merge_size)
@@ -76,26 +69,9 @@ class Qwen2VLAdapter(Qwen2VLVideoMixin):
         self.video_token_id: int = int(config.video_token_id)
         self.tokens_per_second: float | None = getattr(vision, "tokens_per_second", None)  # Qwen2.5-VL only
         self.video_settings = self._read_video_settings()
-        self._special_tokens: list[str] = []
         self._vision_planning = planning_available()  # turned off for good if the tower refuses the plan
         if image_processor is not None:
             self._check_processor_matches_model()
-        if tokenizer is not None:
-            self._special_tokens = sorted(set(tokenizer.added_tokens_encoder) | set(tokenizer.all_special_tokens))
-
-    @classmethod
-    def from_folder(cls, model_dir: Path) -> Qwen2VLAdapter:
-        """Read config, tokenizer, image processor and eos ids from `model_dir` (no weights)."""
-        parts = load_folder_parts(Path(model_dir))
-        return cls(parts.model_dir, parts.config, parts.tokenizer, parts.image_processor, parts.eos_token_ids)
-
-    @classmethod
-    def from_config(cls, config: Any) -> Qwen2VLAdapter:
-        """The model side only, from a transformers config (no folder, tokenizer or processor): encoding pixel
-        inputs and running the language model over token ids work; building prompts and preprocessing images
-        do not (the GPU check builds its models this way)."""
-        eos = config.get_text_config().eos_token_id
-        return cls(None, config, None, None, list(eos) if isinstance(eos, list | tuple) else [int(eos)])
 
     # ----- accounting (router) -----
 
@@ -152,7 +128,7 @@ class Qwen2VLAdapter(Qwen2VLVideoMixin):
         """
         if not messages:
             raise PromptError("a prompt needs at least one message")
-        check_no_special_text(messages, self._special_tokens)
+        check_no_special_text(messages, self.special_tokens)
         kinds = media_parts(messages)
         if kinds != [item.modality for item in items]:
             held = f"{kinds.count('image')} image parts" + (

@@ -30,7 +30,7 @@ from services.common.loop_mailbox import LoopMailbox
 from services.common.media import MediaLimits
 from services.common.model_info import load_model_info
 from services.common.registry import Heartbeat, Registry, draining_role
-from services.common.rpc.epd.v1 import common_pb2, encoder_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common.rpc.epd.v1 import encoder_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.service_main import dtype_of
 from services.common.telemetry import Telemetry
 from services.common.tracing import StageSpans
@@ -41,58 +41,13 @@ from services.worker.config import WorkerConfig
 from services.worker.embedding_store import EmbeddingStore
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions, StepOutput, TokenLogprobs
+from services.worker.engine.request import StepOutput
 from services.worker.engine_loop import EngineLoop
 from services.worker.local_encoder import LocalEncoderServicer
+from services.worker.messages import by_choice, engine_request, response
 from services.worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
-
-
-def engine_request(request: worker_pb2.WorkerRequest) -> EngineRequest:
-    sampling = request.sampling
-    return EngineRequest(
-        request_id=request.request_id,
-        token_ids=list(request.token_ids),
-        media=[
-            MediaInput(m.mm_hash, m.offset, m.num_tokens, tuple(m.grid_thw), m.modality or "image", m.second_per_grid_t)
-            for m in request.media
-        ],
-        sampling=SamplingOptions(
-            max_tokens=sampling.max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p or 1.0,
-            top_k=sampling.top_k,
-            seed=sampling.seed if sampling.HasField("seed") else None,
-            ignore_eos=sampling.ignore_eos,
-            n=max(sampling.n, 1),
-            logprobs=sampling.logprobs if sampling.HasField("logprobs") else None,
-        ),
-        cache_salt=request.cache_salt,
-        generated_tokens=request.generated_tokens,
-    )
-
-
-def token_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs]) -> list[common_pb2.TokenLogprob]:
-    """The engine's logprobs of ``token_ids`` as protos (token text is left to the router)."""
-    return [
-        common_pb2.TokenLogprob(token_id=token, logprob=lp.logprob, top=_top_logprobs(lp))
-        for token, lp in zip(token_ids, logprobs, strict=True)
-    ]
-
-
-def _top_logprobs(lp: TokenLogprobs) -> list[common_pb2.TopLogprob]:
-    return [common_pb2.TopLogprob(token_id=i, logprob=v) for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)]
-
-
-def by_choice(outs: list[StepOutput]) -> list[list[StepOutput]]:
-    """A batch of one request's outputs grouped per choice (order kept inside each), the group holding the
-    last output last: one response per group, and the request's final output stays in the last response."""
-    groups: dict[int, list[StepOutput]] = {}
-    for out in outs:
-        groups.setdefault(out.index, []).append(out)
-    last = groups.pop(outs[-1].index)
-    return [*groups.values(), last]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +178,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     stages.mark("worker.decode", {"gen_ai.usage.completion_tokens": generated})
                 freed_at = self._loop.finished_at.pop(request.request_id, 0.0) if finished else 0.0
                 for group in by_choice(outs):
-                    yield self._response(group, time.perf_counter() - start, freed_at if group[-1] is last else 0.0)
+                    yield response(group, time.perf_counter() - start, freed_at if group[-1] is last else 0.0)
                 if finished:
                     return
         finally:
@@ -235,23 +190,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self._loop.abort(request.request_id)
                 stages.mark("worker.ended", {"gen_ai.usage.completion_tokens": generated}, error="ended early")
             self._loop.finished_at.pop(request.request_id, None)
-
-    @staticmethod
-    def _response(outs: list[StepOutput], prefill_s: float, state_at: float) -> worker_pb2.WorkerResponse:
-        """One choice's outputs, in order, as one message (``state_at``: set on the request's last message)."""
-        last = outs[-1]
-        token_ids = [t for out in outs for t in out.new_token_ids]
-        logprobs = [lp for out in outs for lp in out.logprobs or ()]
-        return worker_pb2.WorkerResponse(
-            token_ids=token_ids,
-            finished=last.finished,
-            finish_reason=last.finish_reason or "",
-            cached_tokens=last.cached_tokens,
-            prefill_s=prefill_s,
-            state_at=state_at,
-            index=last.index,
-            logprobs=token_logprobs(token_ids, logprobs) if logprobs else [],
-        )
 
     def _record_finished(self, prompt_tokens: int, cached_tokens: int, generated: int) -> None:
         self._metrics.prefix_cache_queries.add(prompt_tokens)

@@ -117,7 +117,7 @@ itl_ms: 50
     [
         ({}, "requests: must be a non-empty list"),
         ({"requests": []}, "requests: must be a non-empty list"),
-        ({"requests": [{"images": ["1344*1008"], "output_tokens": 1}]}, "requests[0].images[0]: must be an image size"),
+        ({"requests": [{"images": ["1344*1008"], "output_tokens": 1}]}, "requests[0].images[0]: must be a size"),
         ({"requests": [{"images": "1344x1008", "output_tokens": 1}]}, "requests[0].images: must be a list"),
         ({"requests": [{"text_tokens": 5}]}, "requests[0].output_tokens: missing"),
         ({"requests": [{"output_tokens": 0}]}, "requests[0].output_tokens: must be a whole number >= 1, got 0"),
@@ -147,10 +147,67 @@ def test_traffic_file_errors_name_the_file(tmp_path: Path) -> None:
         load_traffic(_traffic_file(tmp_path, "requests: [{output_tokens: 1}]\nreuse: -1\n"))
 
 
-def test_video_is_refused_with_a_reason(folder_7b: Path) -> None:
-    traffic = parse_traffic({"requests": [{"output_tokens": 1}, {"output_tokens": 1, "video_seconds": 4}]})
-    with pytest.raises(TrafficError, match=r"requests\[1\]\.video_seconds: 4 s of video.*does not count video"):
-        make_plan(load_sizes(folder_7b), traffic, None)
+def test_a_video_is_counted_by_the_models_own_sampling(folder_7b: Path) -> None:
+    """10 s of 1280x720 at 30 fps: Qwen2-VL samples 2 frames a second (20), two frames per temporal patch (10
+    groups), each group (h / 28) x (w / 28) tokens after its resize; the plan's tokens and bytes are the adapter's
+    header count, and the video costs the encoder per frame and per group."""
+    sizes = load_sizes(folder_7b)
+    traffic = parse_traffic(
+        {"requests": [{"video_seconds": 10, "video_size": "1280x720", "text_tokens": 50, "output_tokens": 100}]}
+    )
+    plan = make_plan(sizes, traffic, synthetic_profile())
+    kind = plan.kinds[0]
+    (video,) = kind.videos
+    expected = sizes.adapter.video_tokens(1280, 720, 300, 30.0)
+    assert (video.frames, video.temporal_groups) == (20, 10) == (len(expected.frame_indices), expected.grid_thw[0])
+    assert video.resized_width % 28 == 0 and video.resized_height % 28 == 0
+    assert abs(video.resized_width / video.resized_height - 16 / 9) < 0.1
+    assert video.tokens == expected.num_tokens == 10 * (video.resized_height // 28) * (video.resized_width // 28)
+    assert kind.prompt_tokens == 50 + video.tokens and kind.image_tokens == 0
+    assert (video.kv_bytes, video.embedding_bytes) == (video.tokens * 57_344, video.tokens * 3_584 * 2)
+    assert kind.label == "video 10s 1280x720 + 50 txt -> 100 out"
+    profile = plan.profile
+    assert profile is not None and plan.disaggregated is not None
+    per_frame = profile.prepare(megapixels=1280 * 720 / 1e6)
+    tower = 10 * profile.tower(tokens=video.tokens / 10)
+    assert plan.disaggregated.times.per_kind[0].encode_s == pytest.approx(20 * per_frame + tower)
+    report = plan_json(plan)
+    assert report["requests"][0]["video_tokens"] == video.tokens
+    assert report["requests"][0]["videos"][0]["frames"] == 20
+    text = plan_table(report)
+    assert "1280x720 10 s at 30 fps: 20 frames sampled" in text
+    assert report["deployment"]["recommendation"] in ("co-located", "disaggregated")
+    longer = make_plan(
+        sizes,
+        parse_traffic({"requests": [{"video_seconds": 20, "video_size": "1280x720", "output_tokens": 100}]}),
+        synthetic_profile(),
+    )
+    assert longer.kinds[0].videos[0].frames == 40
+    assert longer.disaggregated is not None and longer.disaggregated.times.per_kind[0].encode_s > tower
+
+
+@pytest.mark.parametrize(
+    ("request_kind", "message"),
+    [
+        ({"video_seconds": 4}, "requests[0].video_size: missing"),
+        ({"video_size": "640x480"}, "requests[0].video_seconds: must be above 0 when video_size"),
+        ({"video_seconds": 4, "video_size": "640"}, "requests[0].video_size: must be a size WIDTHxHEIGHT"),
+        ({"video_seconds": 4, "video_size": "640x480", "video_fps": 0}, "requests[0].video_fps: must be a number"),
+    ],
+)
+def test_video_fields_are_checked(request_kind: dict, message: str) -> None:
+    with pytest.raises(TrafficError) as caught:
+        parse_traffic({"requests": [{"output_tokens": 1, **request_kind}]})
+    assert message in str(caught.value)
+
+
+def test_a_model_without_video_refuses_it_naming_the_field(tmp_path: Path) -> None:
+    from services.models.tiny_model import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "llava", family="llava")
+    traffic = parse_traffic({"requests": [{"output_tokens": 1, "video_seconds": 4, "video_size": "640x480"}]})
+    with pytest.raises(TrafficError, match=r"requests\[0\]\.video_seconds: llava models take no video"):
+        make_plan(load_sizes(folder), traffic, None)
 
 
 def test_bad_traffic_is_a_one_line_usage_error(
