@@ -184,9 +184,9 @@ def _zero() -> LinearFit:
 
 def measure_vision(adapter: Any, model: Any, options: ProfileOptions, log: Log) -> list[dict[str, float]]:
     """Per image size: decode + prepare seconds and tower seconds (the fastest repeat each), tokens, megapixels."""
+    from services.common.image_decode import decode_image
     from services.common.media_types import MediaLimits
-    from services.encoder.preprocess import decode_image
-    from services.encoder.runner import VisionRunner
+    from services.models.vision_runner import VisionRunner
 
     runner = VisionRunner(adapter, model)
     limits = MediaLimits()

@@ -24,8 +24,10 @@ class Embedding:
     tensor: torch.Tensor
 
 
-def iter_chunks(items: Iterable[Embedding], chunk_bytes: int = tensor_codec.CHUNK_BYTES,
-                ) -> Iterator[worker_pb2.EmbeddingChunk]:
+def iter_chunks(
+    items: Iterable[Embedding],
+    chunk_bytes: int = tensor_codec.CHUNK_BYTES,
+) -> Iterator[worker_pb2.EmbeddingChunk]:
     """Messages for a PushEmbeddings stream carrying `items` in order."""
     for item in items:
         encoded = tensor_codec.encode(item.tensor)

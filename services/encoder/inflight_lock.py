@@ -43,16 +43,24 @@ class PeerState:
 class InflightLocks:
     """Acquire / release / inspect the per-item encode locks (blocking calls: run them off the loop)."""
 
-    def __init__(self, redis_url: str, revision: str, cache_key: Callable[[str], str], ttl_s: float = 30.0,
-                 socket_timeout_s: float = 0.25, retry_after_s: float = 1.0,
-                 on_error: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        revision: str,
+        cache_key: Callable[[str], str],
+        ttl_s: float = 30.0,
+        socket_timeout_s: float = 0.25,
+        retry_after_s: float = 1.0,
+        on_error: Callable[[], None] | None = None,
+    ) -> None:
         self._revision = revision
         self._cache_key = cache_key
         self._ttl_ms = max(1, int(ttl_s * 1000))
         self._token = uuid.uuid4().hex
         self._on_error = on_error or (lambda: None)
-        self._redis = redis.Redis.from_url(redis_url, socket_timeout=socket_timeout_s,
-                                           socket_connect_timeout=socket_timeout_s)
+        self._redis = redis.Redis.from_url(
+            redis_url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
+        )
         self._release = self._redis.register_script(_RELEASE)
         self._retry_after_s = retry_after_s
         self._down_until = 0.0

@@ -86,8 +86,11 @@ class Admission:
         """Reserve for items costing `tokens` each; raises Overloaded at once when they do not fit."""
         wanted = sum(tokens)
         if self._tokens and self._tokens + wanted > self._token_cap:
-            raise Overloaded(f"encoder queue is full: {self._tokens} encoder tokens queued, the request adds "
-                             f"{wanted}, cap {self._token_cap}", self.retry_after_ms())
+            raise Overloaded(
+                f"encoder queue is full: {self._tokens} encoder tokens queued, the request adds "
+                f"{wanted}, cap {self._token_cap}",
+                self.retry_after_ms(),
+            )
         try:
             reservation = self._pool.reserve(len(tokens))
         except QueueFull as exc:
@@ -106,8 +109,9 @@ class Admission:
         return int(min(10_000, max(20, 1000 * self._item_seconds * per_worker)))
 
     def snapshot(self) -> EncoderLoad:
-        return EncoderLoad(self._items, self._tokens, self._pool.outstanding,
-                           self._batcher.queued_items, self._batcher.queued_tokens)
+        return EncoderLoad(
+            self._items, self._tokens, self._pool.outstanding, self._batcher.queued_items, self._batcher.queued_tokens
+        )
 
     def _finish(self, tokens: int) -> None:
         self._items -= 1

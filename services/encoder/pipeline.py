@@ -41,9 +41,9 @@ from services.encoder.inflight_lock import InflightLocks
 from services.encoder.load import Admission, Ticket
 from services.encoder.metrics import EncoderMetrics
 from services.encoder.preprocess_pool import PreprocessSettings
-from services.encoder.runner import ItemEmbedding, VisionRunner
 from services.encoder.video_items import VideoPath, encode_video, prepare_video
 from services.models.base import ModelAdapter, supports_video
+from services.models.vision_runner import ItemEmbedding, VisionRunner
 
 T = TypeVar("T")
 _PEER_POLL_S = (0.005, 0.1)  # first and longest wait between looks at another encoder's progress

@@ -36,9 +36,9 @@ from typing import Any, TypeVar
 import numpy as np
 from PIL import Image
 
+from services.common.image_decode import decode_image
 from services.common.media import ImageHeader, MediaLimits
 from services.common.priority import lower_priority
-from services.encoder.preprocess import decode_image
 
 T = TypeVar("T")
 
@@ -58,7 +58,7 @@ class QueueFull(RuntimeError):
 @dataclass(frozen=True)
 class PreprocessSettings:
     """What a child needs besides the bytes. `target_pixels` opts in to reduced-scale JPEG decode
-    (see `services.encoder.preprocess.decode_image`); None keeps decoding exact."""
+    (see `services.common.image_decode.decode_image`); None keeps decoding exact."""
 
     limits: MediaLimits = field(default_factory=MediaLimits)
     target_pixels: int | None = None

@@ -46,9 +46,9 @@ from services.encoder.pipeline import Pipeline, PipelineParts
 from services.encoder.preprocess_cache import PreprocessCache
 from services.encoder.preprocess_pool import PreprocessPool, PreprocessSettings
 from services.encoder.push import Channels, DistPush, Pusher, PushError
-from services.encoder.runner import VisionRunner
 from services.encoder.video_items import VideoPath
 from services.models.base import ModelAdapter
+from services.models.vision_runner import VisionRunner
 
 log = logging.getLogger(__name__)
 DEFAULT_DEADLINE_S = 120.0

@@ -29,9 +29,9 @@ from services.common.rpc.epd.v1 import encoder_pb2
 from services.encoder.batcher import Batcher, BatchItem
 from services.encoder.preprocess_cache import PreprocessCache, preprocess_key
 from services.encoder.preprocess_pool import PoolReservation
-from services.encoder.runner import ItemEmbedding, VisionOutput
 from services.encoder.video_decode import video_job
 from services.models.base import PixelInputs, VideoAdapter, VideoError
+from services.models.vision_runner import ItemEmbedding, VisionOutput
 
 
 @dataclass(frozen=True)

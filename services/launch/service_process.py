@@ -111,8 +111,13 @@ class ServiceProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self._proc = subprocess.Popen(
-                [*(command or epd_command()), "serve", role], env={**os.environ, **env}, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                [*(command or epd_command()), "serve", role],
+                env={**os.environ, **env},
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
+            )
         return self._proc.pid
 
     def pids(self) -> list[int]:
@@ -149,8 +154,9 @@ class ServiceProcess:
                 except grpc.RpcError as exc:
                     last = f"{exc.code().name}"
                 time.sleep(0.25)
-        return HealthReport(False, f"{self.name} not serving on {address} after {timeout_s:.0f}s "
-                                   f"({last}):\n{self.log_tail()}")
+        return HealthReport(
+            False, f"{self.name} not serving on {address} after {timeout_s:.0f}s ({last}):\n{self.log_tail()}"
+        )
 
     def stop(self, timeout_s: float = 10.0) -> list[int]:
         """SIGTERM the process group, SIGKILL what is left after `timeout_s`; returns the pids."""

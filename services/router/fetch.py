@@ -82,8 +82,11 @@ async def _follow(url: str, policy: FetchPolicy) -> bytes:
         if hop.body is not None:
             return hop.body
         if hop_index == policy.max_redirects:
-            raise FetchError(f"redirect to {(hop.location or '')[:200]!r} refused: at most "
-                             f"{policy.max_redirects} redirect(s) are followed", FetchReason.REDIRECT)
+            raise FetchError(
+                f"redirect to {(hop.location or '')[:200]!r} refused: at most "
+                f"{policy.max_redirects} redirect(s) are followed",
+                FetchReason.REDIRECT,
+            )
         current = urljoin(target.url, hop.location or "")
     raise FetchError("redirect limit reached", FetchReason.REDIRECT)  # unreachable: the loop returns or raises
 
@@ -107,8 +110,9 @@ async def _resolve(target: Target) -> list[IPAddress]:
     return addresses
 
 
-async def _connect(target: Target, addresses: list[IPAddress],
-                   policy: FetchPolicy) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def _connect(
+    target: Target, addresses: list[IPAddress], policy: FetchPolicy
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """Open a connection to the first checked address that answers; TLS verifies the original host name."""
     tls = await policy.tls_context() if target.scheme == "https" else None
     failure = FetchError(f"cannot connect to {target.host!r}", FetchReason.CONNECT)
@@ -116,16 +120,19 @@ async def _connect(target: Target, addresses: list[IPAddress],
         try:
             async with asyncio.timeout(policy.connect_timeout_s):
                 return await asyncio.open_connection(
-                    str(ip), target.port, ssl=tls, server_hostname=target.host if tls else None,
-                    limit=MAX_HEAD_BYTES)
+                    str(ip), target.port, ssl=tls, server_hostname=target.host if tls else None, limit=MAX_HEAD_BYTES
+                )
         except ssl.SSLError as exc:
             raise _tls_error(target, exc) from None
         except TimeoutError:
-            failure = FetchError(f"connecting to {target.host!r} ({ip}) took longer than "
-                                 f"{policy.connect_timeout_s:g} s", FetchReason.TIMEOUT)
+            failure = FetchError(
+                f"connecting to {target.host!r} ({ip}) took longer than {policy.connect_timeout_s:g} s",
+                FetchReason.TIMEOUT,
+            )
         except OSError as exc:
-            failure = FetchError(f"cannot connect to {target.host!r} ({ip}): {exc.strerror or exc}",
-                                 FetchReason.CONNECT)
+            failure = FetchError(
+                f"cannot connect to {target.host!r} ({ip}): {exc.strerror or exc}", FetchReason.CONNECT
+            )
     raise failure
 
 
@@ -137,8 +144,10 @@ def _tls_error(target: Target, exc: ssl.SSLError) -> FetchError:
 async def _fetch_once(target: Target, addresses: list[IPAddress], policy: FetchPolicy) -> Hop:
     reader, writer = await _connect(target, addresses, policy)
     try:
-        request = (f"GET {target.path} HTTP/1.1\r\nHost: {target.host_header}\r\nUser-Agent: epd-fetch/1\r\n"
-                   "Accept: */*\r\nAccept-Encoding: identity\r\nConnection: close\r\n\r\n")
+        request = (
+            f"GET {target.path} HTTP/1.1\r\nHost: {target.host_header}\r\nUser-Agent: epd-fetch/1\r\n"
+            "Accept: */*\r\nAccept-Encoding: identity\r\nConnection: close\r\n\r\n"
+        )
         writer.write(request.encode("ascii"))
         await writer.drain()
         head = await _read_head(reader)
@@ -150,8 +159,7 @@ async def _fetch_once(target: Target, addresses: list[IPAddress], policy: FetchP
     except asyncio.LimitOverrunError:
         raise FetchError(f"{target.host!r} sent an over-long header line", FetchReason.PROTOCOL) from None
     except OSError as exc:
-        raise FetchError(f"connection to {target.host!r} failed: {exc.strerror or exc}",
-                         FetchReason.CONNECT) from None
+        raise FetchError(f"connection to {target.host!r} failed: {exc.strerror or exc}", FetchReason.CONNECT) from None
     finally:
         writer.transport.abort()
 
@@ -160,8 +168,9 @@ async def _handle(reader: asyncio.StreamReader, head: ResponseHead, target: Targ
     if head.status in REDIRECTS:
         locations = head.headers.get("location", [])
         if len(locations) != 1 or not locations[0]:
-            raise FetchError(f"{target.host!r} sent a {head.status} redirect without one Location",
-                             FetchReason.PROTOCOL)
+            raise FetchError(
+                f"{target.host!r} sent a {head.status} redirect without one Location", FetchReason.PROTOCOL
+            )
         return Hop(location=locations[0])
     if not 200 <= head.status < 300:
         raise FetchError(f"{target.host!r} answered {head.status} {head.reason}".rstrip(), FetchReason.HTTP_STATUS)

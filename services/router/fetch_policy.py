@@ -135,28 +135,41 @@ def _first(checks: tuple[tuple[bool, str], ...]) -> str | None:
 
 
 def _v4_category(ip: ipaddress.IPv4Address) -> str | None:
-    return _first((
-        (ip.is_unspecified, "unspecified"), (ip.is_loopback, "loopback"),
-        (ip.is_link_local, "link-local (cloud metadata lives here)"), (ip.is_multicast, "multicast"),
-        (ip == ipaddress.IPv4Address("255.255.255.255"), "broadcast"),
-        *((ip in net, category) for category, net in _V4_NOT_GLOBAL),
-        (ip.is_private, "private"), (ip.is_reserved, "reserved"), (not ip.is_global, "special-purpose"),
-    ))
+    return _first(
+        (
+            (ip.is_unspecified, "unspecified"),
+            (ip.is_loopback, "loopback"),
+            (ip.is_link_local, "link-local (cloud metadata lives here)"),
+            (ip.is_multicast, "multicast"),
+            (ip == ipaddress.IPv4Address("255.255.255.255"), "broadcast"),
+            *((ip in net, category) for category, net in _V4_NOT_GLOBAL),
+            (ip.is_private, "private"),
+            (ip.is_reserved, "reserved"),
+            (not ip.is_global, "special-purpose"),
+        )
+    )
 
 
 def _v6_category(ip: ipaddress.IPv6Address) -> str | None:
-    category = _first((
-        (ip.is_unspecified, "unspecified"), (ip.is_loopback, "loopback"),
-        (ip.ipv4_mapped is not None, "IPv4-mapped IPv6"),
-        (ip in _V6_COMPAT, "IPv4-compatible IPv6"), (ip.teredo is not None, "Teredo"),
-        (ip in _V6_NAT64_LOCAL, "local-use NAT64"),
-        (ip.is_link_local, "link-local"), (ip.is_site_local, "site-local"), (ip.is_multicast, "multicast"),
-    ))
+    category = _first(
+        (
+            (ip.is_unspecified, "unspecified"),
+            (ip.is_loopback, "loopback"),
+            (ip.ipv4_mapped is not None, "IPv4-mapped IPv6"),
+            (ip in _V6_COMPAT, "IPv4-compatible IPv6"),
+            (ip.teredo is not None, "Teredo"),
+            (ip in _V6_NAT64_LOCAL, "local-use NAT64"),
+            (ip.is_link_local, "link-local"),
+            (ip.is_site_local, "site-local"),
+            (ip.is_multicast, "multicast"),
+        )
+    )
     nat64 = ip in _V6_NAT64
     embedded = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF) if nat64 else ip.sixtofour
     if category is not None or embedded is None:
-        return category or _first(((ip.is_private, "private"), (ip.is_reserved, "reserved"),
-                                   (not ip.is_global, "special-purpose")))
+        return category or _first(
+            ((ip.is_private, "private"), (ip.is_reserved, "reserved"), (not ip.is_global, "special-purpose"))
+        )
     inner = _v4_category(embedded)
     if inner is not None:
         return f"{'NAT64' if nat64 else '6to4'} embedding a {inner} IPv4 address"
@@ -195,22 +208,28 @@ def _parse_host(raw: str) -> tuple[str, IPAddress | None]:
         try:
             return host, ipaddress.IPv4Address(host)
         except ValueError:
-            raise FetchError(f"numeric host {raw!r} is not a canonical dotted-quad IPv4 address; decimal, "
-                             "octal, hex and short forms are refused", FetchReason.ADDRESS) from None
+            raise FetchError(
+                f"numeric host {raw!r} is not a canonical dotted-quad IPv4 address; decimal, "
+                "octal, hex and short forms are refused",
+                FetchReason.ADDRESS,
+            ) from None
     return host, None
 
 
 def parse_target(url: str, policy: FetchPolicy) -> Target:
     """Parse and check a URL before any resolution; raises FetchError (url, scheme, address, host_not_allowed)."""
     if len(url) > MAX_URL_CHARS or not url.isascii() or not url.isprintable() or " " in url or "\\" in url:
-        raise FetchError("URL must be printable ASCII without spaces or backslashes, "
-                         f"at most {MAX_URL_CHARS} characters", FetchReason.URL)
+        raise FetchError(
+            f"URL must be printable ASCII without spaces or backslashes, at most {MAX_URL_CHARS} characters",
+            FetchReason.URL,
+        )
     scheme, sep, rest = url.partition(":")
     scheme = scheme.lower()
     test_http = scheme == "http" and policy.allow_loopback_for_tests
     if not sep or (scheme not in policy.allowed_schemes and not test_http):
-        raise FetchError(f"URL scheme {scheme!r} is not allowed; use {' or '.join(policy.allowed_schemes)}",
-                         FetchReason.SCHEME)
+        raise FetchError(
+            f"URL scheme {scheme!r} is not allowed; use {' or '.join(policy.allowed_schemes)}", FetchReason.SCHEME
+        )
     if not rest.startswith("//"):
         raise FetchError("URL has no host", FetchReason.URL)
     raw_host, raw_port, path = _split_authority(rest[2:])
@@ -250,5 +269,6 @@ def check_resolved(target: Target, addresses: list[IPAddress], policy: FetchPoli
             via = "" if target.host == str(ip) else f" ({target.host} resolves to it)"
             raise FetchError(f"refusing to fetch from {verdict.category} address {ip}{via}", FetchReason.ADDRESS)
     if target.scheme not in policy.allowed_schemes and not all(ip in TEST_LOOPBACK for ip in addresses):
-        raise FetchError(f"URL scheme {target.scheme!r} is allowed only towards the loopback test server",
-                         FetchReason.SCHEME)
+        raise FetchError(
+            f"URL scheme {target.scheme!r} is allowed only towards the loopback test server", FetchReason.SCHEME
+        )

@@ -15,10 +15,10 @@ import time
 import grpc
 
 from services.common.embedding_cache import EmbeddingCache
+from services.common.image_decode import load_image
 from services.common.media import MediaError, MediaLimits, MediaReason
 from services.common.rpc.epd.v1 import encoder_pb2, encoder_pb2_grpc
-from services.encoder.preprocess import load_image
-from services.encoder.runner import VisionRunner
+from services.models.vision_runner import VisionRunner
 from services.worker.embedding_store import EmbeddingStore
 
 log = logging.getLogger(__name__)

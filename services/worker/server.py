@@ -36,7 +36,7 @@ from services.common.telemetry import Telemetry
 from services.common.tracing import StageSpans
 from services.common.transport_dist import DistError, DistReceiver
 from services.common.transport_grpc import ChunkAssembler, StreamError
-from services.encoder.runner import VisionRunner
+from services.models.vision_runner import VisionRunner
 from services.worker.config import WorkerConfig
 from services.worker.embedding_store import EmbeddingStore
 from services.worker.engine.config import EngineConfig

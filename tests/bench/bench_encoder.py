@@ -65,7 +65,7 @@ def bench_batching(model_dir: Path, count: int, budgets: list[int]) -> dict[str,
     """Images/s through the tower, one per call versus batched by the Batcher under each budget."""
     from services.common.model_info import load_model_info
     from services.encoder.batcher import Batcher, BatchItem
-    from services.encoder.runner import VisionRunner
+    from services.models.vision_runner import VisionRunner
 
     info = load_model_info(model_dir)
     runner = VisionRunner(info.adapter, info.adapter.load_model())

@@ -64,8 +64,6 @@ def free_ports_args() -> list[str]:
     ]
 
 
-
-
 @pytest.fixture()
 def image(tmp_path: Path) -> Path:
     path = tmp_path / "cat.png"

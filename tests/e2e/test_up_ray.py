@@ -30,8 +30,6 @@ READY_LINE = "Ctrl-C stops everything."
 SESSION = re.compile(r"session_\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_\d+_\d+")
 
 
-
-
 def port_taken(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0

@@ -63,10 +63,23 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def pool(model_dir: Path, redis_server: RedisServer, tmp_path_factory) -> Iterator[Pool]:
-    env = {"EPD_EMBEDDING_TRANSPORT": "dist", "EPD_MAX_BATCH_WAIT_MS": "300", "EPD_PREPROCESS_WORKERS": "1",
-           "EPD_PREPROCESS_QUEUE": "32"}
-    local = start_cluster(ClusterSpec(model_dir, encoders=2, workers=2, redis_url=redis_server.url,
-                                      free_ports=True, env=env, log_dir=tmp_path_factory.mktemp("logs")))
+    env = {
+        "EPD_EMBEDDING_TRANSPORT": "dist",
+        "EPD_MAX_BATCH_WAIT_MS": "300",
+        "EPD_PREPROCESS_WORKERS": "1",
+        "EPD_PREPROCESS_QUEUE": "32",
+    }
+    local = start_cluster(
+        ClusterSpec(
+            model_dir,
+            encoders=2,
+            workers=2,
+            redis_url=redis_server.url,
+            free_ports=True,
+            env=env,
+            log_dir=tmp_path_factory.mktemp("logs"),
+        )
+    )
     client = Client(local.address)
     yield Pool(local, model_dir, load_model_info(model_dir), client, redis_server.url)
     client.close()
@@ -76,7 +89,7 @@ def pool(model_dir: Path, redis_server: RedisServer, tmp_path_factory) -> Iterat
 
 def decoded(data: bytes):
     """The image as the encoder sees it (orientation applied, RGB)."""
-    from services.encoder.preprocess import load_image
+    from services.common.image_decode import load_image
 
     return load_image(data, MediaLimits())
 
@@ -93,10 +106,11 @@ def encode_request(info: ModelInfo, images: list[bytes], destination: str = "") 
     request = user_request(PROMPT, images, max_tokens=MAX_TOKENS)
     limits = IntakeLimits(len(images), 1 << 26, 1 << 28, MediaLimits())
     accounted = account(info, parse_messages(list(request.messages), limits), MAX_TOKENS)
-    items = [encoder_pb2.EncodeItem(ref=ref, data=data)
-             for ref, data in zip(accounted.refs, accounted.item_data, strict=True)]
-    return encoder_pb2.EncodeRequest(request_id=uuid.uuid4().hex, items=items, destination=destination,
-                                     deadline_s=60)
+    items = [
+        encoder_pb2.EncodeItem(ref=ref, data=data)
+        for ref, data in zip(accounted.refs, accounted.item_data, strict=True)
+    ]
+    return encoder_pb2.EncodeRequest(request_id=uuid.uuid4().hex, items=items, destination=destination, deadline_s=60)
 
 
 def _images(seed: int, count: int = 8) -> list[bytes]:
@@ -108,7 +122,7 @@ def _images(seed: int, count: int = 8) -> list[bytes]:
 
 
 def test_eight_images_batched_equal_each_alone_and_outputs_equal_generate(pool: Pool) -> None:
-    from services.encoder.runner import VisionRunner
+    from services.models.vision_runner import VisionRunner
 
     images = _images(seed=100)
     encoder = pool.local.encoders[0]
@@ -131,8 +145,9 @@ def test_eight_images_batched_equal_each_alone_and_outputs_equal_generate(pool: 
     cache.close()
 
     with ThreadPoolExecutor(8) as threads:  # the batched embeddings, served from the cache to both workers
-        answers = list(threads.map(
-            lambda data: pool.client.generate(user_request(PROMPT, [data], max_tokens=MAX_TOKENS)), images))
+        answers = list(
+            threads.map(lambda data: pool.client.generate(user_request(PROMPT, [data], max_tokens=MAX_TOKENS)), images)
+        )
     for data, answer in zip(images, answers, strict=True):
         assert answer.token_ids == expected(pool.model_dir, data)
 
@@ -144,8 +159,9 @@ def test_32_concurrent_requests_over_8_images_encode_each_once(pool: Pool) -> No
     random.Random(0).shuffle(order)
     before = pool.total("epd_encoder_items_encoded_total")
     with ThreadPoolExecutor(32) as threads:
-        answers = list(threads.map(
-            lambda i: pool.client.generate(user_request(PROMPT, [images[i]], max_tokens=MAX_TOKENS)), order))
+        answers = list(
+            threads.map(lambda i: pool.client.generate(user_request(PROMPT, [images[i]], max_tokens=MAX_TOKENS)), order)
+        )
     for i, answer in zip(order, answers, strict=True):
         assert answer.token_ids == answers_expected[i]
     assert pool.total("epd_encoder_items_encoded_total") - before == 8
@@ -214,12 +230,25 @@ def small_encoder(redis_server: RedisServer, tmp_path_factory) -> Iterator[Small
     model_dir = model_folder(tmp_path_factory.mktemp("models"), "small-qwen2-vl", max_pixels=256 * 28 * 28)
     port = free_port()
     log_path = tmp_path_factory.mktemp("small-encoder") / "encoder.log"
-    env = {**os.environ, "EPD_MODEL": str(model_dir), "EPD_REDIS_URL": redis_server.url, "EPD_HOST": "127.0.0.1",
-           "EPD_PORT": str(port), "EPD_METRICS_PORT": "0", "EPD_PREPROCESS_WORKERS": "1",
-           "EPD_PREPROCESS_QUEUE": "2", "EPD_MAX_BATCH_WAIT_MS": "1"}
+    env = {
+        **os.environ,
+        "EPD_MODEL": str(model_dir),
+        "EPD_REDIS_URL": redis_server.url,
+        "EPD_HOST": "127.0.0.1",
+        "EPD_PORT": str(port),
+        "EPD_METRICS_PORT": "0",
+        "EPD_PREPROCESS_WORKERS": "1",
+        "EPD_PREPROCESS_QUEUE": "2",
+        "EPD_MAX_BATCH_WAIT_MS": "1",
+    }
     with open(log_path, "wb") as log:
-        popen = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "encoder"], env=env, stdout=log,
-                                 stderr=subprocess.STDOUT, start_new_session=True)
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "serve", "encoder"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         wait_healthy(f"127.0.0.1:{port}", 120, alive=lambda: popen.poll() is None)
         yield SmallEncoder(f"127.0.0.1:{port}", load_model_info(model_dir))
@@ -243,6 +272,7 @@ def _flat_png(w: int, h: int, colour: tuple[int, int, int]) -> bytes:
 
 async def _wave(address: str, requests: list[encoder_pb2.EncodeRequest], gap_s: float) -> list[tuple[object, float]]:
     """Send `requests` open-loop, one every `gap_s`; (reply or error, seconds) for each."""
+
     async def call(stub: encoder_pb2_grpc.EncoderStub, request: encoder_pb2.EncodeRequest, delay_s: float):
         await asyncio.sleep(delay_s)
         start = time.perf_counter()
@@ -257,12 +287,16 @@ async def _wave(address: str, requests: list[encoder_pb2.EncodeRequest], gap_s: 
         return await asyncio.gather(*(call(stub, r, gap_s * i) for i, r in enumerate(requests)))
 
 
-def _check_wave(requests: list[encoder_pb2.EncodeRequest], results: list[tuple[object, float]],
-                cache: EmbeddingCache) -> float:
+def _check_wave(
+    requests: list[encoder_pb2.EncodeRequest], results: list[tuple[object, float]], cache: EmbeddingCache
+) -> float:
     """Strict checks of one overload wave; returns the p99 refusal latency in seconds."""
     refused = [(exc, s) for exc, s in results if isinstance(exc, grpc.aio.AioRpcError)]
-    accepted = [(request, reply) for request, (reply, _) in zip(requests, results, strict=True)
-                if not isinstance(reply, grpc.aio.AioRpcError)]
+    accepted = [
+        (request, reply)
+        for request, (reply, _) in zip(requests, results, strict=True)
+        if not isinstance(reply, grpc.aio.AioRpcError)
+    ]
     assert len(accepted) >= 2 and len(refused) >= 100, [type(r).__name__ for r, _ in results]
     for exc, _ in refused:
         assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.details()
@@ -277,7 +311,8 @@ def _check_wave(requests: list[encoder_pb2.EncodeRequest], results: list[tuple[o
 
 
 def test_a_full_preprocessing_queue_refuses_fast_and_accepted_requests_complete(
-        small_encoder: SmallEncoder, redis_server: RedisServer) -> None:
+    small_encoder: SmallEncoder, redis_server: RedisServer
+) -> None:
     """Open-loop arrivals every 2 ms, far above what one decode process drains: the queue of two
     stays full, everything beyond it is refused at once (p99 under 50 ms), what got in completes.
 

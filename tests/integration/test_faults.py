@@ -55,10 +55,12 @@ class Load:
                 images = [media_factory.png(64 + seed % 50, 48 + seed % 30, seed=seed)] if seed % 3 else []
                 start = time.perf_counter()
                 try:
-                    answer = client.generate(user_request(f"request {seed}", images, max_tokens=8),
-                                             timeout_s=DEADLINE_S * 3)
-                    self.results.append(Result(len(answer.token_ids) > 0 and answer.final is not None,
-                                               time.perf_counter() - start))
+                    answer = client.generate(
+                        user_request(f"request {seed}", images, max_tokens=8), timeout_s=DEADLINE_S * 3
+                    )
+                    self.results.append(
+                        Result(len(answer.token_ids) > 0 and answer.final is not None, time.perf_counter() - start)
+                    )
                 except grpc.RpcError as exc:
                     self.results.append(Result(False, time.perf_counter() - start, exc.code(), exc.details()))
 
@@ -74,9 +76,17 @@ class Load:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path, redis_server: RedisServer, tmp_path_factory) -> Iterator[LocalCluster]:
-    local = start_cluster(ClusterSpec(tiny_model_dir, encoders=2, workers=2, redis_url=redis_server.url,
-                                      free_ports=True, env={"EPD_REQUEST_TIMEOUT_S": str(DEADLINE_S)},
-                                      log_dir=tmp_path_factory.mktemp("logs")))
+    local = start_cluster(
+        ClusterSpec(
+            tiny_model_dir,
+            encoders=2,
+            workers=2,
+            redis_url=redis_server.url,
+            free_ports=True,
+            env={"EPD_REQUEST_TIMEOUT_S": str(DEADLINE_S)},
+            log_dir=tmp_path_factory.mktemp("logs"),
+        )
+    )
     yield local
     local.stop()
 
@@ -98,8 +108,9 @@ def _serves_normally(cluster: LocalCluster) -> None:
     """Three requests with never-seen images (so they must be encoded) all succeed."""
     with Client(cluster.address) as client:
         for seed in itertools.islice(_FRESH_SEEDS, 3):
-            answer = client.generate(user_request("after", [media_factory.png(70, 70, seed=seed)],
-                                                  max_tokens=6), timeout_s=DEADLINE_S)
+            answer = client.generate(
+                user_request("after", [media_factory.png(70, 70, seed=seed)], max_tokens=6), timeout_s=DEADLINE_S
+            )
             assert len(answer.token_ids) > 0 and answer.final.usage.image_tokens > 0
 
 

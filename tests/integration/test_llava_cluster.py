@@ -53,8 +53,8 @@ def cluster(tiny_llava_dir: Path, redis_server: RedisServer, tmp_path_factory) -
 
 def decoded(data: bytes) -> Image.Image:
     """The image as the encoder sees it (orientation applied, RGB on white)."""
+    from services.common.image_decode import load_image
     from services.common.media import MediaLimits
-    from services.encoder.preprocess import load_image
 
     return load_image(data, MediaLimits())
 

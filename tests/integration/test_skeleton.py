@@ -45,9 +45,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path, redis_server: RedisServer, tmp_path_factory) -> Iterator[Cluster]:
-    local = start_cluster(ClusterSpec(model_dir, redis_url=redis_server.url, free_ports=True,
-                                      env={"EPD_FETCH_ALLOW_LOOPBACK_FOR_TESTS": "true"},
-                                      log_dir=tmp_path_factory.mktemp("logs")))
+    local = start_cluster(
+        ClusterSpec(
+            model_dir,
+            redis_url=redis_server.url,
+            free_ports=True,
+            env={"EPD_FETCH_ALLOW_LOOPBACK_FOR_TESTS": "true"},
+            log_dir=tmp_path_factory.mktemp("logs"),
+        )
+    )
     client = Client(local.address)
     yield Cluster(local, model_dir, client)
     client.close()
@@ -57,8 +63,8 @@ def cluster(model_dir: Path, redis_server: RedisServer, tmp_path_factory) -> Ite
 
 def decoded(data: bytes) -> Image.Image:
     """The image as the encoder sees it (orientation applied, RGB on white)."""
+    from services.common.image_decode import load_image
     from services.common.media import MediaLimits
-    from services.encoder.preprocess import load_image
 
     return load_image(data, MediaLimits())
 
@@ -245,10 +251,20 @@ def test_worker_ends_a_request_whose_embedding_never_comes(cluster: Cluster) -> 
     built = adapter.build_prompt([ChatMessage("user", [ChatPart("image"), ChatPart("text", PROMPT)])], [item])
     never = "ab" * 32  # no encoder is ever asked for this hash
     request = worker_pb2.WorkerRequest(
-        request_id="never-encoded", token_ids=built.token_ids, embedding_timeout_s=0.5,
-        media=[common_pb2.MediaRef(mm_hash=never, modality="image", offset=built.spans[0].offset,
-                                   num_tokens=item.num_tokens, grid_thw=list(item.grid_thw))],
-        sampling=common_pb2.SamplingParams(max_tokens=4))
+        request_id="never-encoded",
+        token_ids=built.token_ids,
+        embedding_timeout_s=0.5,
+        media=[
+            common_pb2.MediaRef(
+                mm_hash=never,
+                modality="image",
+                offset=built.spans[0].offset,
+                num_tokens=item.num_tokens,
+                grid_thw=list(item.grid_thw),
+            )
+        ],
+        sampling=common_pb2.SamplingParams(max_tokens=4),
+    )
     worker = cluster.local.workers[0]
     with grpc.insecure_channel(worker.address) as channel:
         stream = worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=30)

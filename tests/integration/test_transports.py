@@ -48,7 +48,15 @@ def test_bench_quick_prints_one_json_line(capsys: pytest.CaptureFixture[str]) ->
     assert main(["--quick"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     figures = json.loads(last)
-    for key in ("images_per_s_single", "images_per_s_batched", "batched_over_single", "grpc_1mb_mb_per_s",
-                "gloo_1mb_mb_per_s", "redis_1mb_mb_per_s", "gloo_1mb_item_ms", "gloo_over_grpc_1mb",
-                "redis_over_grpc_1mb"):
+    for key in (
+        "images_per_s_single",
+        "images_per_s_batched",
+        "batched_over_single",
+        "grpc_1mb_mb_per_s",
+        "gloo_1mb_mb_per_s",
+        "redis_1mb_mb_per_s",
+        "gloo_1mb_item_ms",
+        "gloo_over_grpc_1mb",
+        "redis_over_grpc_1mb",
+    ):
         assert figures[key] > 0, key

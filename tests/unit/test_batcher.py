@@ -207,7 +207,7 @@ def test_eight_images_in_one_call_equal_each_alone(tiny_model_dir: Path) -> None
     from PIL import Image
 
     from services.common.model_info import load_model_info
-    from services.encoder.runner import VisionRunner
+    from services.models.vision_runner import VisionRunner
     from tests import media_factory
 
     info = load_model_info(tiny_model_dir)
@@ -236,9 +236,9 @@ def test_temporal_chunks_cover_the_video_within_half_the_budget() -> None:
 def test_a_long_video_does_not_starve_an_image() -> None:
     """The video's chunks go one at a time, so an image submitted while the first runs rides in the second
     call, not after the whole video; the chunks' rows come back whole and in order."""
-    from services.encoder.runner import VisionOutput
     from services.encoder.video_items import encode_video
     from services.models.base import PixelInputs
+    from services.models.vision_runner import VisionOutput
 
     calls: list[list[object]] = []
 
@@ -271,9 +271,9 @@ def test_a_video_split_across_calls_equals_it_whole(tiny_model_dir: Path, tiny_m
     from services.common.media_types import VideoLimits
     from services.common.model_info import load_model_info
     from services.common.video import probe_video
-    from services.encoder.runner import VisionRunner
     from services.encoder.video_decode import decode_video
     from services.encoder.video_items import encode_video
+    from services.models.vision_runner import VisionRunner
     from tests import media_factory
 
     data = media_factory.video(97, 61, seconds=4, fps=10, seed=7)

@@ -24,8 +24,7 @@ def test_mm_hash_depends_on_every_field() -> None:
     assert base != mm_hash(dataclasses.replace(IDENTITY, revision="rev2"), "image", b"abc")
     assert base != mm_hash(dataclasses.replace(IDENTITY, processor_settings={"max_pixels": 101}), "image", b"abc")
     # key order does not matter; length prefixing keeps field boundaries apart
-    assert base == mm_hash(ModelIdentity("qwen2_vl", "rev1", {"mean": [0.5, 0.5], "max_pixels": 100}),
-                           "image", b"abc")
+    assert base == mm_hash(ModelIdentity("qwen2_vl", "rev1", {"mean": [0.5, 0.5], "max_pixels": 100}), "image", b"abc")
     assert mm_hash(ModelIdentity("ab", "c", {}), "image", b"") != mm_hash(ModelIdentity("a", "bc", {}), "image", b"")
 
 

@@ -169,20 +169,27 @@ DEFAULT_REFUSALS = [
 
 
 @pytest.mark.parametrize(("template", "reason", "words"), DEFAULT_REFUSALS)
-def test_default_policy_refuses_without_connecting(server: LoopbackServer, template: str, reason: str,
-                                                   words: str) -> None:
+def test_default_policy_refuses_without_connecting(
+    server: LoopbackServer, template: str, reason: str, words: str
+) -> None:
     error = refused(template.format(port=server.port), FetchPolicy())
     assert (error.reason, words in str(error)) == (reason, True), str(error)
     assert_untouched(server)
 
 
-@pytest.mark.parametrize(("template", "reason"), [
-    ("http://10.0.0.1/", "address"), ("http://192.168.0.10:{port}/", "address"),
-    ("http://127.0.0.2:{port}/image", "address"), ("http://[::ffff:127.0.0.1]:{port}/image", "address"),
-    ("http://0.0.0.0:{port}/image", "address"), ("http://2130706433:{port}/image", "address"),
-    ("http://93.184.216.34/", "scheme"),  # plain http is for the loopback test server only
-    ("http://user@127.0.0.1:{port}/image", "url"),
-])
+@pytest.mark.parametrize(
+    ("template", "reason"),
+    [
+        ("http://10.0.0.1/", "address"),
+        ("http://192.168.0.10:{port}/", "address"),
+        ("http://127.0.0.2:{port}/image", "address"),
+        ("http://[::ffff:127.0.0.1]:{port}/image", "address"),
+        ("http://0.0.0.0:{port}/image", "address"),
+        ("http://2130706433:{port}/image", "address"),
+        ("http://93.184.216.34/", "scheme"),  # plain http is for the loopback test server only
+        ("http://user@127.0.0.1:{port}/image", "url"),
+    ],
+)
 def test_test_allowance_is_loopback_only(server: LoopbackServer, template: str, reason: str) -> None:
     assert refused(template.format(port=server.port), TEST).reason == reason
     assert_untouched(server)
@@ -232,13 +239,22 @@ def test_redirect_followed_when_allowed(server: LoopbackServer, to: str) -> None
     assert len(server.seen.connections) == 2
 
 
-@pytest.mark.parametrize(("to", "reason"), [
-    ("http://10.0.0.1/", "address"), ("http://192.168.1.1/", "address"), ("http://172.31.0.1/", "address"),
-    ("http://169.254.169.254/latest/meta-data", "address"), ("http://100.64.0.1/", "address"),
-    ("http://127.0.0.2:{port}/image", "address"), ("http://[::ffff:127.0.0.1]:{port}/image", "address"),
-    ("http://0x7f.0.0.1:{port}/image", "address"), ("file:///etc/passwd", "scheme"),
-    ("http://93.184.216.34/", "scheme"), ("{chain}", "redirect"),
-])
+@pytest.mark.parametrize(
+    ("to", "reason"),
+    [
+        ("http://10.0.0.1/", "address"),
+        ("http://192.168.1.1/", "address"),
+        ("http://172.31.0.1/", "address"),
+        ("http://169.254.169.254/latest/meta-data", "address"),
+        ("http://100.64.0.1/", "address"),
+        ("http://127.0.0.2:{port}/image", "address"),
+        ("http://[::ffff:127.0.0.1]:{port}/image", "address"),
+        ("http://0x7f.0.0.1:{port}/image", "address"),
+        ("file:///etc/passwd", "scheme"),
+        ("http://93.184.216.34/", "scheme"),
+        ("{chain}", "redirect"),
+    ],
+)
 def test_redirect_target_rechecked(server: LoopbackServer, to: str, reason: str) -> None:
     policy = FetchPolicy(allow_loopback_for_tests=True, max_redirects=1)
     target = to.format(port=server.port, chain=redirect_url(server, server.url("/image")))
@@ -266,10 +282,14 @@ def test_content_length_over_cap_refused_before_body(server: LoopbackServer) -> 
     assert time.monotonic() - start < 1.0  # the server never sends the body: we did not wait for it
 
 
-@pytest.mark.parametrize(("path", "reason", "words"), [
-    ("/missing", "http_status", "404 Not Found"), ("/smuggle", "protocol", "Transfer-Encoding"),
-    ("/badchunk", "protocol", "chunk size"),
-])
+@pytest.mark.parametrize(
+    ("path", "reason", "words"),
+    [
+        ("/missing", "http_status", "404 Not Found"),
+        ("/smuggle", "protocol", "Transfer-Encoding"),
+        ("/badchunk", "protocol", "chunk size"),
+    ],
+)
 def test_bad_responses(server: LoopbackServer, path: str, reason: str, words: str) -> None:
     error = refused(server.url(path), TEST)
     assert error.reason == reason and words in str(error), str(error)
@@ -289,9 +309,30 @@ def tls_server(tmp_path: Path) -> Iterator[LoopbackServer]:
     openssl = shutil.which("openssl")
     assert openssl is not None, "the openssl command is required to make the test certificate"
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run([openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                    "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            openssl,
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.load_cert_chain(cert, key)
     srv = LoopbackServer(tls=ctx)

@@ -12,7 +12,6 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor, DynamicCache
 
-from services.encoder.runner import VisionRunner
 from services.models.base import (
     ChatMessage,
     ChatPart,
@@ -25,6 +24,7 @@ from services.models.base import (
 from services.models.llava import LlavaAdapter
 from services.models.registry import load_adapter
 from services.models.vision_attention import choose_mode, install_vision_attention
+from services.models.vision_runner import VisionRunner
 from tests import media_factory
 from tests.oracle import hf_generate
 

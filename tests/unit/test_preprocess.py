@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile, ImageOps
 
+from services.common.image_decode import decode_image, load_image, to_rgb
 from services.common.media import SUPPORTED_FORMATS, MediaError, MediaLimits, MediaReason, probe_image
-from services.encoder.preprocess import decode_image, load_image, to_rgb
 from services.encoder.preprocess_pool import PreprocessPool, PreprocessSettings, QueueFull
 from tests import media_factory as mf
 

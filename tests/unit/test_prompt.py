@@ -13,8 +13,9 @@ PAD = 9
 
 
 def _item(num_tokens: int) -> ItemTokens:
-    return ItemTokens(num_tokens=num_tokens, grid_thw=(1, 2, 2 * num_tokens), resized_height=28,
-                      resized_width=28 * num_tokens)
+    return ItemTokens(
+        num_tokens=num_tokens, grid_thw=(1, 2, 2 * num_tokens), resized_height=28, resized_width=28 * num_tokens
+    )
 
 
 def _reference(token_ids: list[int], counts: list[int]) -> tuple[list[int], list[MediaSpan]]:

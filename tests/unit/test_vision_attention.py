@@ -17,7 +17,6 @@ from PIL import Image
 from transformers.utils.generic import is_flash_attention_requested
 
 from services.common.model_info import load_model_info
-from services.encoder.runner import VisionRunner
 from services.models import vision_attention
 from services.models.base import PixelInputs
 from services.models.vision_attention import (
@@ -26,6 +25,7 @@ from services.models.vision_attention import (
     install_vision_attention,
     varlen_vision_attention,
 )
+from services.models.vision_runner import VisionRunner
 from tests import media_factory
 
 FAMILIES = ["tiny_model_dir", "tiny_model_dir_25"]

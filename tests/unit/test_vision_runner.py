@@ -1,6 +1,6 @@
 """The runner's batch result: embeddings stay on the device, one host copy per batch, what each transport gets.
 
-services/encoder/runner.py: the host copy is made once, on first use, whoever asks; pipeline outcomes and
+services/models/vision_runner.py: the host copy is made once, on first use, whoever asks; pipeline outcomes and
 `Pusher.device` decide whether a push is handed the device tensor or the host copy.
 """
 
@@ -13,10 +13,10 @@ import torch
 
 from services.common.transport_dist import NCCL_ENVIRONMENT
 from services.common.transport_grpc import Embedding
-from services.encoder import runner as runner_module
 from services.encoder.pipeline import ItemOutcome
 from services.encoder.push import Channels, DistPush, Pusher
-from services.encoder.runner import ItemEmbedding, VisionOutput, VisionRunner, _joined, same_device
+from services.models import vision_runner as runner_module
+from services.models.vision_runner import ItemEmbedding, VisionOutput, VisionRunner, _joined, same_device
 
 
 def _batch() -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -1,4 +1,4 @@
-"""Encoder-side decode: one encoded image in, one fully loaded RGB `PIL.Image` out.
+"""Image decode for whoever encodes (the encoder, a co-located worker): one encoded image in, one RGB `PIL.Image` out.
 
 Order: open through `services.common.media.open_image` (the router's header path, so the pixel,
 frame and format limits are checked before any decode and both sides agree on the size),

@@ -1,4 +1,4 @@
-"""The encoder's model side: RGB images in, projected embeddings out, one tower call per batch.
+"""The vision tower runner (the encoder's, and a co-located worker's): RGB images in, embeddings out, a call per batch.
 
 `prepare` (resize, normalise, patchify with the model's saved processor) is thread-safe and runs
 on any thread; `run` runs the vision tower and projector over many items in one forward, calls
