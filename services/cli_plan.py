@@ -61,8 +61,9 @@ def run_profile(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from services.capacity.fit import FitError
-    from services.capacity.measure import QUICK, ProfileOptions, measure_profile
+    from services.capacity.measure import measure_profile
     from services.capacity.profile import save_profile
+    from services.capacity.profile_options import QUICK, ProfileOptions
     from services.launch.preflight import check_device, check_model, resolve_device
 
     device = resolve_device(args.device)

@@ -169,7 +169,8 @@ def predicted_request_s(model_dir: Path, traffic: Traffic, profile_path: Path) -
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from services.capacity.measure import ProfileOptions, running_cluster
+    from services.capacity.measure_cluster import running_cluster
+    from services.capacity.profile_options import ProfileOptions
     from services.cli_up import DEFAULT_TINY, tiny_model
     from services.models.registry import load_adapter
 

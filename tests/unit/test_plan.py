@@ -368,7 +368,7 @@ def test_profile_refuses_sizes_that_cannot_fit_a_curve(folder_7b: Path, capsys: 
 
 
 def test_serving_fit_in_two_stages_on_synthetic_probes() -> None:
-    from services.capacity.measure import fit_serving, probe_quartiles
+    from services.capacity.measure_cluster import fit_serving, probe_quartiles
 
     def point(probe: str, out: int, images: int, tokens: int, noise: float = 0.0) -> dict[str, object]:
         residual = 0.004 + 0.0006 * out + 0.003 * images + 5e-5 * tokens + noise
