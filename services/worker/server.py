@@ -23,6 +23,7 @@ import time
 import grpc
 
 from services.common import grpc_server, tls
+from services.common.dist_receiver import DistReceiver
 from services.common.drain import Drain, drained
 from services.common.embedding_cache import CacheSettings, EmbeddingCache
 from services.common.kv_blocks import request_blocks
@@ -34,7 +35,7 @@ from services.common.rpc.epd.v1 import encoder_pb2_grpc, worker_pb2, worker_pb2_
 from services.common.service_main import dtype_of
 from services.common.telemetry import Telemetry
 from services.common.tracing import StageSpans
-from services.common.transport_dist import DistError, DistReceiver
+from services.common.transport_dist import DistError
 from services.common.transport_grpc import ChunkAssembler, StreamError
 from services.models.vision_runner import VisionRunner
 from services.worker.config import WorkerConfig

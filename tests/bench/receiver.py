@@ -19,8 +19,9 @@ import grpc
 import torch
 
 from services.common import grpc_server
+from services.common.dist_receiver import DistReceiver, ReceiverAddress
 from services.common.rpc.epd.v1 import worker_pb2, worker_pb2_grpc
-from services.common.transport_dist import DistError, DistReceiver, ReceiverAddress
+from services.common.transport_dist import DistError
 from services.common.transport_grpc import ChunkAssembler, StreamError
 
 

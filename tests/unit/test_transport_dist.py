@@ -19,14 +19,13 @@ import pytest
 import torch
 
 from services.common import grpc_server
+from services.common.dist_receiver import DistReceiver, ReceiverAddress
 from services.common.rpc.epd.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.transport_dist import (
     ENCODER_RANK,
     NCCL_ENVIRONMENT,
     DistError,
-    DistReceiver,
     PairChannel,
-    ReceiverAddress,
     _wire_bytes,
     as_tensor,
     nccl_environment,
