@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
-from services import cli_plan, cli_request, cli_up
+from services import cli_cluster_args, cli_plan, cli_request, cli_up
 from services.cli_errors import USAGE, UserError, one_line
 from services.common import config as config_lib
 
@@ -104,10 +104,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)
     up = sub.add_parser("up", help="start the whole cluster on this box (Ctrl-C stops it)")
-    cli_up.add_cluster_arguments(up, ray=True)
+    cli_cluster_args.add_cluster_arguments(up, ray=True)
     up.set_defaults(fn=cli_up.up)
     demo = sub.add_parser("demo", help="start the cluster, send one image request, stop")
-    cli_up.add_cluster_arguments(demo, ray=False)
+    cli_cluster_args.add_cluster_arguments(demo, ray=False)
     demo.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
     demo.set_defaults(fn=cli_up.demo)
     generate = sub.add_parser("generate", help="send one request to the router and print the answer as it streams")

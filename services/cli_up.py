@@ -17,12 +17,12 @@ import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 from services.cli_errors import UserError, failure, one_line
 from services.launch import local
-from services.launch.preflight import DEVICES, check_device, check_model, check_ports, check_redis, resolve_device
+from services.launch.preflight import check_device, check_model, check_ports, check_redis, resolve_device
 from services.launch.supervisor import Supervisor
 
 DEFAULT_TINY = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "epd" / "tiny-qwen2-vl"
@@ -41,80 +41,6 @@ PORT_NAMES = {
     "worker": "worker gRPC",
     "metrics": "metrics",
 }
-
-
-def add_cluster_arguments(cmd: argparse.ArgumentParser, *, ray: bool) -> None:
-    """The flags `up` and `demo` share (with `ray`, also `--ray` and `--address`)."""
-    cmd.add_argument("--model", metavar="DIR", help="model folder (default: a tiny random Qwen2-VL built offline)")
-    cmd.add_argument(
-        "--encoders",
-        type=_int_in(1, 64, "a whole number from 1 to 64"),
-        default=1,
-        help="encoder processes (default 1)",
-    )
-    cmd.add_argument(
-        "--workers", type=_int_in(1, 64, "a whole number from 1 to 64"), default=1, help="worker processes (default 1)"
-    )
-    cmd.add_argument(
-        "--device",
-        choices=DEVICES,
-        default=None,
-        help="where encoders and workers compute (default: EPD_DEVICE, else cpu)",
-    )
-    cmd.add_argument(
-        "--startup-timeout",
-        type=_seconds,
-        default=180.0,
-        metavar="SECONDS",
-        help="longest wait for every service to become healthy (default 180)",
-    )
-    _add_port(cmd, "--port", local.ROUTER_PORT, "the router's gRPC port")
-    _add_port(cmd, "--http-port", local.HTTP_PORT, "the router's OpenAI-compatible HTTP port; 0 turns it off")
-    _add_port(cmd, "--encoder-port", local.ENCODER_PORT, "first encoder's gRPC port; the next encoders count up")
-    _add_port(cmd, "--worker-port", local.WORKER_PORT, "first worker's gRPC port; the next workers count up")
-    _add_port(
-        cmd,
-        "--metrics-port",
-        local.METRICS_PORT,
-        "first Prometheus port: encoders, workers, then the router count up from it; 0 turns metrics off",
-    )
-    if ray:
-        cmd.add_argument("--ray", action="store_true", help="run the services as Ray actors")
-        cmd.add_argument("--address", help="Ray cluster address (default: start a local one)")
-
-
-def _add_port(cmd: argparse.ArgumentParser, flag: str, default: int, text: str) -> None:
-    lowest = 0 if flag in ("--http-port", "--metrics-port") else 1
-    cmd.add_argument(
-        flag,
-        type=_int_in(lowest, 65535, f"a port from {lowest} to 65535"),
-        default=default,
-        metavar="PORT",
-        help=f"{text} (default {default})",
-    )
-
-
-def _int_in(lowest: int, highest: int, wanted: str) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {wanted}") from None
-        if not lowest <= value <= highest:
-            raise argparse.ArgumentTypeError(f"{text} is not {wanted}")
-        return value
-
-    return parse
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds above 0")
-    return value
 
 
 def up(args: argparse.Namespace) -> int:
