@@ -3,7 +3,7 @@
 Stopping (SIGTERM, Ctrl-C) runs the role's drain sequence before closing anything: an encoder or a worker
 leaves the registry, refuses new work and lets in-flight work finish for up to EPD_DRAIN_TIMEOUT_S (a
 worker then ends what is left, and the routers migrate it); a router stops accepting and finishes its
-streams within the same timeout (services/router/server.py). docs/reliability.md has the whole sequence.
+streams within the same timeout (services/router/startup.py). docs/reliability.md has the whole sequence.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ async def start_role(role: str, config: ServiceConfig) -> Callable[[], Awaitable
 
 async def _start(role: str, config: ServiceConfig) -> Callable[[], Awaitable[None]]:
     if role == "router":
-        from services.router.server import start_router
+        from services.router.startup import start_router
 
         return await start_router(config)
     if role == "encoder":

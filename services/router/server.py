@@ -20,28 +20,22 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry import trace
 
-from services.common import grpc_server, tls
 from services.common.block_hash import MediaSpan
-from services.common.embedding_cache import CacheSettings, EmbeddingCache
 from services.common.logs import current_request_id
-from services.common.model_info import ModelInfo, load_model_info
-from services.common.registry import Registry
+from services.common.model_info import ModelInfo
 from services.common.rpc.epd.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.common.telemetry import Telemetry
 from services.common.tls import Dialer
 from services.common.tracing import tracer
 from services.router.accounting import Accounted
-from services.router.admission import Admission, AdmissionSettings, Rejection, Reserved
+from services.router.admission import Admission, Rejection, Reserved
 from services.router.auth import DEFAULT_TENANT
 from services.router.cluster_view import ClusterView
 from services.router.config import RouterConfig
 from services.router.encode_dispatch import EncodeDispatcher
 from services.router.errors import RequestError
-from services.router.http_server import serve_router_http
 from services.router.metrics import RouterMetrics
 from services.router.migration import Migrations, Progress, WorkerLost, continuation, lost_reason, watch_vanished
 from services.router.output import Choices, TokenTexts
-from services.router.placement import PrefixAffinity
 from services.router.request_blocks import RequestBlocks
 from services.router.request_prep import RequestPrep
 from services.router.request_record import RequestRecord, admission_attributes, note_worker
@@ -304,65 +298,3 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if reason is not None:
                 raise WorkerLost(worker, reason, f"{exc.code().name}: {exc.details()}") from exc
             raise RequestError(exc.code(), f"worker {worker}: {exc.details()}") from exc
-
-
-def _count_lookup(metrics: RouterMetrics, queries: int, hits: int) -> None:
-    metrics.cache_queries.add(queries)
-    if hits:
-        metrics.cache_hits.add(hits, {"tier": "redis"})
-
-
-async def start_router(config: RouterConfig):
-    """Serve the public API on config.host:config.port (no model weights are loaded here)."""
-    info = load_model_info(config.model)
-    telemetry = Telemetry("router", config.host, config.metrics_port, info.model_dir.resolve().name)
-    metrics = RouterMetrics.create(telemetry.meter)
-    cache = EmbeddingCache(CacheSettings.for_service(config, info.identity.revision, max_bytes=0))
-    view = ClusterView(Registry(config.redis_url), info.identity.revision)
-    await view.start()
-    dialer = Dialer(tls.internal_client(config))
-    admission = Admission(
-        view,
-        PrefixAffinity(),
-        AdmissionSettings(
-            config.admission_queue_size,
-            config.admission_max_wait_s,
-            config.retry_after_ms,
-            config.prefix_affinity_weight,
-        ),
-    )
-    servicer = GenerationServicer(
-        info,
-        config,
-        RequestPrep(info, config, metrics),
-        admission,
-        EncodeDispatcher(
-            view,
-            cache,
-            lambda a: servicer.channel(a),
-            config.encoder_addrs,
-            on_lookup=lambda queries, hits: _count_lookup(metrics, queries, hits),
-        ),
-        metrics,
-        dialer,
-        view,
-        Tenancy.from_config(config),
-    )
-    binding = grpc_server.ServiceBinding(
-        generation_pb2_grpc.add_GenerationServicer_to_server, servicer, "epd.v1.Generation"
-    )
-    stop_http = await serve_router_http(config, info, servicer, view, metrics)  # listening before gRPC is healthy
-    public = config.public_tls()
-    credentials = None if public is None else tls.server_credentials(public, bool(public.ca_file))
-    running = await grpc_server.start_server(config.host, config.port, [binding], credentials, echo_request_id=True)
-    log.info("router serving on %s:%d", config.host, running.port)
-
-    async def stop() -> None:
-        """Drain: stop accepting (health NOT_SERVING, no new calls), let the streams in flight finish for up to
-        EPD_DRAIN_TIMEOUT_S (they may still migrate meanwhile: the view and channels stay open), then close."""
-        await asyncio.gather(stop_http(), running.stop(config.drain_timeout_s))
-        await view.stop()
-        await dialer.close()
-        telemetry.shutdown()
-
-    return stop
