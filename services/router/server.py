@@ -43,7 +43,10 @@ from services.router.stream_state import StreamState
 from services.router.tenants import Tenancy, prefix_salt, scope_items
 
 log = logging.getLogger(__name__)
-REFUSALS = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
+# A worker's answers before it admitted anything that send the request to the next worker: full, draining, or
+# shutting down (a stopping gRPC server cancels the calls it still gets: a migrating request may reach a worker
+# that drained a moment ago, before the router's view of the registry caught up).
+REFUSALS = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 
 
 @dataclass
@@ -168,19 +171,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             record.finish(outcome, failure, refusal)
 
     async def _open_worker(self, worker: str, request: worker_pb2.WorkerRequest, deadline: float):
-        """Open the worker stream and wait for admission; None when the worker refuses or is down."""
-        timeout = max(0.001, deadline - time.monotonic())
-        call = worker_pb2_grpc.WorkerStub(self.channel(worker)).Generate(request, timeout=timeout)
-        try:
-            first = await call.read()
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in REFUSALS:
-                return None
-            raise RequestError(exc.code(), f"worker {worker}: {exc.details()}") from exc
-        if first is grpc.aio.EOF or not first.admitted:
-            call.cancel()
-            return None
-        return Reserved(call, first.state_at)
+        return await open_worker(self.channel(worker), worker, request, deadline)
 
     async def _generate(
         self, request: generation_pb2.GenerateRequest, timeout_s: float | None, start: float, tenant: str
@@ -298,3 +289,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if reason is not None:
                 raise WorkerLost(worker, reason, f"{exc.code().name}: {exc.details()}") from exc
             raise RequestError(exc.code(), f"worker {worker}: {exc.details()}") from exc
+
+
+async def open_worker(
+    channel: grpc.aio.Channel, worker: str, request: worker_pb2.WorkerRequest, deadline: float
+) -> Reserved | None:
+    """Open the worker stream on `channel` and wait for admission: the stream when the worker admitted the
+    request; None when it refused (one of `REFUSALS`, or it ended without admitting); RequestError naming the
+    worker for any other status."""
+    timeout = max(0.001, deadline - time.monotonic())
+    call = worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=timeout)
+    try:
+        first = await call.read()
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() in REFUSALS:
+            return None
+        raise RequestError(exc.code(), f"worker {worker}: {exc.details()}") from exc
+    if first is grpc.aio.EOF or not first.admitted:
+        call.cancel()
+        return None
+    return Reserved(call, first.state_at)

@@ -193,6 +193,9 @@ def test_an_http_stream_finishes_while_its_router_drains(replicated: Replicated)
     as gRPC does (a fixed 2 s grace cut it off). 3 s is below the 1 s heartbeat TTL + 3 s after which the
     router would take a silent worker for gone, so nothing migrates meanwhile."""
     cluster = replicated.cluster
+    for worker in cluster.workers:  # both up (an earlier test restarts them)
+        wait_healthy(worker.address, 180, lambda: True)
+    settled_workers(cluster.redis_url, 2)
     started = threading.Event()
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(_stream_chat, f"http://127.0.0.1:{cluster.http_port}", 2000, started)

@@ -1,0 +1,97 @@
+"""How the router reads a worker's first answer (services/router/server.py `open_worker`), against real gRPC
+servers on 127.0.0.1: admitted, refused (full, draining, or cancelled by a server that is stopping: the call
+then goes to the next worker), or failed with a status that names the worker.
+
+The stopping case is real: a call that reaches a gRPC server as it starts `stop(grace)` is cancelled by the
+server (CANCELLED "CANCELLED"), which a request migrating off a worker that drained a moment ago can meet
+before the router's view of the registry has caught up. The last test makes that race happen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from services.common.rpc.epd.v1 import worker_pb2, worker_pb2_grpc
+from services.router.errors import RequestError
+from services.router.server import open_worker
+
+
+class _Worker(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, answer: grpc.StatusCode | None, delay_s: float = 0.0) -> None:
+        self.answer = answer
+        self.delay_s = delay_s
+
+    async def Generate(self, request, context) -> AsyncIterator[worker_pb2.WorkerResponse]:  # noqa: ANN001, N802
+        await asyncio.sleep(self.delay_s)
+        if self.answer is not None:
+            await context.abort(self.answer, f"answered {self.answer.name}")
+        yield worker_pb2.WorkerResponse(admitted=True, state_at=12.5)
+
+
+async def _serving(servicer: _Worker) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+async def _open(answer: grpc.StatusCode | None):
+    server, address = await _serving(_Worker(answer))
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            reserved = await open_worker(
+                channel, address, worker_pb2.WorkerRequest(request_id="r"), time.monotonic() + 10
+            )
+            if reserved is not None:
+                reserved.handle.cancel()
+            return reserved
+    finally:
+        await server.stop(None)
+
+
+def test_an_admitting_worker_gives_its_stream_and_clock() -> None:
+    reserved = asyncio.run(_open(None))
+    assert reserved is not None and reserved.at == 12.5
+
+
+@pytest.mark.parametrize(
+    "code", [grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED]
+)
+def test_full_draining_or_stopping_workers_refuse(code: grpc.StatusCode) -> None:
+    assert asyncio.run(_open(code)) is None
+
+
+def test_another_status_fails_the_request_naming_the_worker() -> None:
+    with pytest.raises(RequestError) as caught:
+        asyncio.run(_open(grpc.StatusCode.INVALID_ARGUMENT))
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.message.startswith("worker 127.0.0.1:") and "answered INVALID_ARGUMENT" in caught.value.message
+
+
+async def _race(rounds: int) -> list[str]:
+    """Calls sent as their server starts stopping: what `open_worker` made of each (never an error)."""
+    outcomes = []
+    for _ in range(rounds):
+        server, address = await _serving(_Worker(None, delay_s=0.2))
+        async with grpc.aio.insecure_channel(address) as channel:
+            await channel.channel_ready()
+            request = worker_pb2.WorkerRequest(request_id="late")
+            opening = asyncio.create_task(open_worker(channel, address, request, time.monotonic() + 10))
+            await asyncio.sleep(0)  # the call is on its way
+            await server.stop(1.0)
+            reserved = await opening
+            outcomes.append("admitted" if reserved is not None else "refused")
+            if reserved is not None:
+                reserved.handle.cancel()
+    return outcomes
+
+
+def test_a_call_meeting_a_stopping_server_is_refused_not_failed() -> None:
+    outcomes = asyncio.run(_race(6))
+    assert set(outcomes) <= {"admitted", "refused"}
