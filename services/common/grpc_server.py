@@ -75,9 +75,19 @@ async def start_server(
     return running
 
 
+RECONNECT_BACKOFF_MS = (200, 1000)
+"""A channel's reconnect back-off after its peer went away: first and longest wait. gRPC's own (1 s growing to
+120 s) left a router unable to reach a worker that restarted at the same address for seconds to minutes (the
+channel waits out its back-off before it dials again); peers in one cluster come back within seconds."""
+
+
 def channel_options() -> list[tuple[str, int]]:
-    """Client channel options matching the server's message caps."""
+    """Client channel options: the server's message caps, and a reconnect back-off capped at a second."""
+    first, longest = RECONNECT_BACKOFF_MS
     return [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.initial_reconnect_backoff_ms", first),
+        ("grpc.min_reconnect_backoff_ms", first),
+        ("grpc.max_reconnect_backoff_ms", longest),
     ]
