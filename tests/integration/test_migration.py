@@ -175,12 +175,14 @@ def test_migrations_past_the_limit_end_with_unavailable_naming_worker_and_count(
 
 def test_a_hung_worker_is_left_when_it_vanishes_from_the_registry(supervised: Supervised) -> None:
     """A worker frozen mid-stream (SIGSTOP: its connection stays open, its heartbeat stops) drops out of the
-    registry; the router migrates its request (reason `vanished`) and the output is unchanged. 1500 tokens: the
-    stream must still run when the worker is frozen, however slow the box makes finding which worker serves it."""
+    registry; the router migrates its request (reason `vanished`) and the output is unchanged. The worker frozen is
+    the one publishing the request as running, so the calm run must have left the registry first; 1500 tokens, so
+    the stream still runs when the worker is frozen, however slow the box makes finding it."""
     cluster = supervised.cluster
     _all_serving(supervised)
     (calm,) = run_all([cluster.address], [image_request(3, 1500, salt="calm-hung")])
     assert calm.ok and len(calm.token_ids) == 1500
+    settled_workers(cluster.redis_url, 2)  # the calm run's worker no longer publishes it running: not taken for busy
     before = metric_by_label(cluster.router.metrics_port, "epd_migrations_total", "reason").get("vanished", 0)
     _, stub = balanced_stub([cluster.address])
     first_chunk = threading.Event()
