@@ -8,12 +8,15 @@ and method are checked against the Python block that sends the same body through
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from services.launch.local import ClusterSpec, LocalCluster, start_cluster
@@ -51,8 +54,24 @@ def cluster(tiny_model_dir: Path, redis_server: RedisServer, tmp_path_factory) -
         tiny_model_dir, redis_url=redis_server.url, free_ports=True, log_dir=tmp_path_factory.mktemp("logs")
     )
     local = start_cluster(spec)
-    yield local
-    local.stop()
+    try:
+        _router_sees_a_worker(local.http_url)
+        yield local
+    finally:
+        local.stop()
+
+
+def _router_sees_a_worker(url: str, timeout_s: float = 60.0) -> None:
+    """Wait for the router's /health to answer ok: healthy services are not yet in the router's view of the
+    registry (a worker registers just after it serves; the view refreshes every 0.1 s), and the guide's first
+    block checks /health."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"{url}/health never answered ok")
 
 
 @pytest.fixture
