@@ -1,7 +1,8 @@
 """Load and checks shared by the reliability tests and `epd bench soak`: fixed requests, outcomes, settled KV.
 
-A client here talks to one or several routers over one channel (round robin, and gRPC's own retry of
-UNAVAILABLE before any answer arrived: what a client behind router replicas does). Every request's outcome
+A client here talks to one or several routers over one channel (round robin over the routers whose health
+is SERVING, and gRPC's own retry of UNAVAILABLE before any answer arrived: what a client behind router
+replicas does). Every request's outcome
 is kept, the failures with their status, so a test can say "0 failed" and show the ones that did.
 """
 
@@ -26,6 +27,7 @@ from tests import media_factory
 
 RETRY_CONFIG = {
     "loadBalancingConfig": [{"round_robin": {}}],
+    "healthCheckConfig": {"serviceName": "epd.v1.Generation"},
     "methodConfig": [
         {
             "name": [{"service": "epd.v1.Generation"}],
@@ -42,7 +44,8 @@ RETRY_CONFIG = {
 
 
 def balanced_stub(addresses: Sequence[str]) -> tuple[grpc.Channel, generation_pb2_grpc.GenerationStub]:
-    """One channel over every router address (round robin, UNAVAILABLE retried before any answer). A router
+    """One channel over every router address (round robin over those whose gRPC health watch says SERVING, so a
+    draining router gets no new call; UNAVAILABLE retried before any answer). A router
     that was down is tried again within half a second (gRPC's default reconnect back-off grows to minutes:
     after a long restart the channel would not see it back before the next router goes down)."""
     target = "ipv4:" + ",".join(addresses)

@@ -21,6 +21,7 @@ import grpc
 from opentelemetry import trace
 
 from services.common.block_hash import MediaSpan
+from services.common.drain import Drain
 from services.common.logs import current_request_id
 from services.common.model_info import ModelInfo
 from services.common.rpc.epd.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 # shutting down (a stopping gRPC server cancels the calls it still gets: a migrating request may reach a worker
 # that drained a moment ago, before the router's view of the registry caught up).
 REFUSALS = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+DRAINING = "router is draining (shutting down): send the request to another router replica"
 
 
 @dataclass
@@ -79,6 +81,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._view = view
         self._tenancy = tenancy
         self._token_texts = TokenTexts(info.adapter.tokenizer)
+        self.drain = Drain()  # gRPC calls being served; refused with UNAVAILABLE once the router drains
 
     def channel(self, address: str) -> grpc.aio.Channel:
         """The channel to a worker or encoder: mTLS with the cluster CA when TLS is on, so an address that
@@ -95,11 +98,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request: generation_pb2.GenerateRequest,
         context: grpc.aio.ServicerContext,
     ) -> generation_pb2.TokenCount:
+        if not self.drain.enter():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
         try:
             self._tenancy.auth.grpc_tenant(context)
             return await self.count_tokens(request)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
+        finally:
+            self.drain.leave()
 
     async def count_tokens(self, request: generation_pb2.GenerateRequest) -> generation_pb2.TokenCount:
         """CountTokens for any front end (gRPC, HTTP); raises RequestError. Each call is counted once, by outcome."""
@@ -119,6 +126,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._metrics.count_tokens.add(1, {"outcome": outcome})
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        if not self.drain.enter():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
         try:
             tenant = self._tenancy.auth.grpc_tenant(context)
             async for response in self.generate_stream(request, context.time_remaining(), tenant):
@@ -127,6 +136,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if exc.metadata:
                 context.set_trailing_metadata(exc.metadata)
             await context.abort(exc.code, exc.message)
+        finally:
+            self.drain.leave()
 
     async def generate_stream(
         self, request: generation_pb2.GenerateRequest, timeout_s: float | None, tenant: str = DEFAULT_TENANT

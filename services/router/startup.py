@@ -27,6 +27,12 @@ from services.router.tenants import Tenancy
 
 log = logging.getLogger(__name__)
 
+LEAVE_S = 1.0
+"""How long a draining router keeps its gRPC server up at least, answering new calls UNAVAILABLE: time for the
+clients that watch its health (gRPC `healthCheckConfig`) to see NOT_SERVING and send elsewhere before it
+stops (a gRPC server that is stopping cancels the calls it still receives: CANCELLED, which clients do not
+retry; grpc/grpc#41785)."""
+
 
 def _count_lookup(metrics: RouterMetrics, queries: int, hits: int) -> None:
     metrics.cache_queries.add(queries)
@@ -79,10 +85,24 @@ async def start_router(config: RouterConfig) -> Callable[[], Awaitable[None]]:
     running = await grpc_server.start_server(config.host, config.port, [binding], credentials, echo_request_id=True)
     log.info("router serving on %s:%d", config.host, running.port)
 
+    async def drain_grpc() -> None:
+        idle, _ = await asyncio.gather(
+            servicer.drain.wait_idle(config.drain_timeout_s), asyncio.sleep(min(LEAVE_S, config.drain_timeout_s))
+        )
+        if not idle:
+            log.warning(
+                "drain: %d gRPC call(s) still running after %.1fs", servicer.drain.in_flight, config.drain_timeout_s
+            )
+        await running.stop(0.5)
+
     async def stop() -> None:
-        """Drain: stop accepting (health NOT_SERVING, no new calls), let the streams in flight finish for up to
-        EPD_DRAIN_TIMEOUT_S (they may still migrate meanwhile: the view and channels stay open), then close."""
-        await asyncio.gather(stop_http(), running.stop(config.drain_timeout_s))
+        """Drain: health NOT_SERVING and new gRPC calls refused with UNAVAILABLE (the server keeps running, so a
+        client never meets a stopping server, which cancels what it receives), the HTTP API stops accepting;
+        the streams in flight finish for up to EPD_DRAIN_TIMEOUT_S (they may still migrate meanwhile: the view
+        and channels stay open), and the gRPC server stays up at least LEAVE_S; then everything closes."""
+        servicer.drain.start()
+        await running.health.enter_graceful_shutdown()
+        await asyncio.gather(stop_http(), drain_grpc())
         await view.stop()
         await dialer.close()
         telemetry.shutdown()

@@ -18,10 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.registry import Registry
+from services.common.rpc.epd.v1 import generation_pb2_grpc
 from services.launch import local
 from services.launch.health import wait_healthy
 from services.launch.supervisor import Supervisor
@@ -215,3 +218,41 @@ def test_an_http_stream_finishes_while_its_router_drains(replicated: Replicated)
     assert (tokens, done) == (2000, True)
     assert ended - signalled > 3
     _restarted(cluster.router, router)
+
+
+def test_a_draining_router_answers_new_calls_unavailable_while_its_streams_finish(replicated: Replicated) -> None:
+    """SIGTERM to a router while a gRPC stream runs through it (its workers paused for 2 s, so the stream is
+    still running): its health turns NOT_SERVING and a new call to it is answered UNAVAILABLE naming the drain
+    (a client retries that on another router; a gRPC server that is already stopping cancels such a call
+    instead, which CI saw fail the rolling restart), and the stream in flight still ends whole."""
+    cluster, process = replicated.cluster, replicated.second_router
+    for worker in cluster.workers:
+        wait_healthy(worker.address, 180, lambda: True)
+    settled_workers(cluster.redis_url, 2)
+    started = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(run_all, [process.address], [text_request(3, 1500)], 120, lambda i: started.set())
+        if not started.wait(60):
+            raise AssertionError(f"the stream never started: {running.exception(timeout=60)!r}")
+        router = process.popen
+        for worker in cluster.workers:
+            os.kill(worker.popen.pid, signal.SIGSTOP)
+        try:
+            os.kill(router.pid, signal.SIGTERM)
+            time.sleep(0.5)
+            with grpc.insecure_channel(process.address) as channel:
+                health = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service="epd.v1.Generation"), timeout=10
+                )
+                with pytest.raises(grpc.RpcError) as refused:
+                    generation_pb2_grpc.GenerationStub(channel).CountTokens(text_request(4, 8), timeout=10)
+        finally:
+            for worker in cluster.workers:
+                os.kill(worker.popen.pid, signal.SIGCONT)
+        [outcome] = running.result(timeout=120)
+    assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+    assert "router is draining" in refused.value.details()
+    assert outcome.ok, describe([outcome])
+    assert len(outcome.token_ids) == 1500
+    _restarted(process, router)
