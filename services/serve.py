@@ -47,7 +47,7 @@ async def _start(role: str, config: ServiceConfig) -> Callable[[], Awaitable[Non
 
         running = await start_encoder(config)
         return _drain_then_stop(running, config.drain_timeout_s)
-    from services.worker.server import start_worker
+    from services.worker.startup import start_worker
 
     worker = await start_worker(config)
     return _drain_then_stop(worker, config.drain_timeout_s)

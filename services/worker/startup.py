@@ -1,0 +1,126 @@
+"""Starting the worker: the model and its engine thread, the `Worker` and co-located `Encoder` servicers
+served over gRPC, and the heartbeat that publishes the KV state; `RunningWorker` drains and stops them."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from services.common import grpc_server, tls
+from services.common.drain import drained
+from services.common.embedding_cache import CacheSettings, EmbeddingCache
+from services.common.media import MediaLimits
+from services.common.model_info import load_model_info
+from services.common.registry import Heartbeat, Registry, draining_role
+from services.common.rpc.epd.v1 import encoder_pb2_grpc, worker_pb2_grpc
+from services.common.service_main import dtype_of
+from services.common.telemetry import Telemetry
+from services.models.vision_runner import VisionRunner
+from services.worker.config import WorkerConfig
+from services.worker.embedding_store import EmbeddingStore
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine_loop import EngineLoop
+from services.worker.local_encoder import LocalEncoderServicer
+from services.worker.metrics import WorkerMetrics
+from services.worker.server import WorkerServicer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RunningWorker:
+    server: grpc_server.RunningServer
+    servicer: WorkerServicer
+    loop: EngineLoop
+    heartbeat: Heartbeat
+    telemetry: Telemetry
+
+    async def drain(self, timeout_s: float) -> None:
+        """SIGTERM: refuse new requests, leave the registry (publishing as draining, so routers know it is alive),
+        let the running requests finish for up to `timeout_s`, then end the rest (their routers migrate them)."""
+        self.servicer.drain.start()
+        await self.server.health.enter_graceful_shutdown()
+        await self.heartbeat.move_to(draining_role("worker"))
+        running = self.servicer.drain.in_flight
+        if not await drained(self.servicer.drain, timeout_s, self.servicer.end_in_flight):
+            log.warning("drain: ended requests still running after %.1fs (of %d)", timeout_s, running)
+        log.info("drain: done (%d request(s) were in flight)", running)
+
+    async def stop(self) -> None:
+        await self.heartbeat.stop()
+        await self.server.stop()
+        self.servicer.close()
+        self.loop.stop()
+        self.telemetry.shutdown()
+
+
+def engine_config(config: WorkerConfig) -> EngineConfig:
+    return EngineConfig(
+        block_size=config.block_size,
+        kv_cache_bytes=config.kv_cache_bytes,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        itl_target_ms=config.itl_target_ms,
+        overcommit=config.overcommit,
+        enable_prefix_caching=config.enable_prefix_caching,
+        dtype=config.dtype,
+        device=config.device,
+        attention_backend=config.attention_backend,
+        cuda_graphs="auto" if config.cuda_graphs else "off",
+    )
+
+
+async def start_worker(config: WorkerConfig) -> RunningWorker:
+    """Load the model, start the engine thread, serve `Worker` and heartbeat the KV state."""
+    info = load_model_info(config.model)
+    model = info.adapter.load_model(device=config.device, dtype=dtype_of(config.dtype))
+    telemetry = Telemetry("worker", config.host, config.metrics_port, info.model_dir.resolve().name)
+    cache = EmbeddingCache(CacheSettings.for_service(config, info.identity.revision))
+    engine = Engine(info.adapter, model, engine_config(config))
+    loop = EngineLoop(engine, nice=config.compute_nice)
+    metrics = WorkerMetrics.create(telemetry.meter, lambda: loop.kv_state, engine.step_costs)
+    engine.on_step = metrics.record_step  # called on the engine thread, set before it starts
+    loop.start()
+    store = EmbeddingStore(cache)
+    servicer = WorkerServicer(loop, store, config, metrics)
+    local_encoder = LocalEncoderServicer(
+        VisionRunner(info.adapter, model), store, cache, MediaLimits(max_pixels=config.max_image_pixels), config.address
+    )
+    bindings = [
+        grpc_server.ServiceBinding(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "epd.v1.Worker"),
+        grpc_server.ServiceBinding(encoder_pb2_grpc.add_EncoderServicer_to_server, local_encoder, "epd.v1.Encoder"),
+    ]
+    credentials = tls.internal_server_credentials(config)
+    running = await grpc_server.start_server(config.host, config.port, bindings, credentials)
+    address = config.advertise_addr or f"{config.host}:{running.port}"
+    local_encoder.address = address
+
+    def state() -> dict:
+        snapshot = loop.snapshot
+        return {
+            **dataclasses.asdict(snapshot.state),
+            "capacity_blocks": servicer.capacity_blocks(),
+            "snapshot_at": snapshot.at,
+        }
+
+    heartbeat = Heartbeat(
+        Registry(config.redis_url, ttl_s=max(1.0, 5 * config.heartbeat_interval_s)),
+        "worker",
+        address,
+        info.identity.revision,
+        state,
+        config.heartbeat_interval_s,
+    )
+    heartbeat.start()
+    kv = loop.kv_state
+    log.info(
+        "worker serving on %s (model %s, attention %s, %d KV blocks of %d tokens)",
+        address,
+        info.model_dir,
+        kv.attention_backend,
+        kv.total_blocks,
+        kv.block_size,
+    )
+    return RunningWorker(running, servicer, loop, heartbeat, telemetry)
