@@ -120,7 +120,8 @@ def run_profile(args: argparse.Namespace) -> int:
 def run_plan(args: argparse.Namespace) -> int:
     """`epd plan`: the table (or `--json`), and the plots with `--plots`."""
     from services.capacity.model_sizes import load_sizes
-    from services.capacity.plan import make_plan, plan_json, plan_table
+    from services.capacity.plan import make_plan, plan_json
+    from services.capacity.plan_table import plan_table
     from services.capacity.profile import ProfileError, load_profile
     from services.capacity.traffic import TrafficError, load_traffic
     from services.launch.preflight import check_model

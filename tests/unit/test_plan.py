@@ -13,7 +13,8 @@ from services import cli
 from services.capacity import cost_model as cm
 from services.capacity.fit import FitError, LinearFit, fit
 from services.capacity.model_sizes import load_sizes
-from services.capacity.plan import make_plan, plan_json, plan_table
+from services.capacity.plan import make_plan, plan_json
+from services.capacity.plan_table import plan_table
 from services.capacity.profile import ProfileError, load_profile, save_profile
 from services.capacity.traffic import Traffic, TrafficError, load_traffic, parse_traffic
 from tests.capacity_support import make_7b_folder, synthetic_profile
