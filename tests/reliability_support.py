@@ -76,13 +76,14 @@ def text_request(i: int, max_tokens: int, salt: str = "") -> generation_pb2.Gene
 
 @dataclass
 class Outcome:
-    """How one request ended: its tokens and usage, or its status."""
+    """How one request ended: its tokens and usage, or its status; and how long it took, retries included."""
 
     index: int
     token_ids: list[int] = field(default_factory=list)
     final: generation_pb2.Final | None = None
     code: grpc.StatusCode | None = None
     details: str = ""
+    seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -112,7 +113,8 @@ def stream_one(
     timeout_s: float,
     on_chunk: Callable[[int], None] = lambda index: None,
 ) -> Outcome:
-    deadline = time.monotonic() + CONNECT_RETRY_S
+    start = time.monotonic()
+    deadline = start + CONNECT_RETRY_S
     while True:
         outcome = Outcome(index)
         try:
@@ -124,6 +126,7 @@ def stream_one(
                     outcome.final = response.final
         except grpc.RpcError as exc:
             outcome.code, outcome.details = exc.code(), exc.details() or ""
+        outcome.seconds = time.monotonic() - start
         if outcome.token_ids or not _unreached(outcome.code, outcome.details) or time.monotonic() > deadline:
             return outcome
         time.sleep(0.5)

@@ -10,68 +10,33 @@ from __future__ import annotations
 import itertools
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 
 from services.client import Client, user_request
+from services.common.rpc.epd.v1 import generation_pb2
 from services.launch.local import ClusterSpec, LocalCluster, start_cluster
 from tests import media_factory
 from tests.integration.conftest import RedisServer
+from tests.reliability_support import Load, Outcome
 
 DEADLINE_S = 20.0
 CLEAR = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
-@dataclass
-class Result:
-    ok: bool
-    seconds: float
-    code: grpc.StatusCode | None = None
-    details: str = ""
+def _request(i: int) -> generation_pb2.GenerateRequest:
+    """Request `i`: a new image two times in three (so encoders stay busy), else text only."""
+    seed = 1000 + i
+    images = [media_factory.png(64 + seed % 50, 48 + seed % 30, seed=seed)] if seed % 3 else []
+    return user_request(f"request {seed}", images, max_tokens=8)
 
 
-class Load:
-    """`clients` threads sending requests back to back until stopped."""
-
-    def __init__(self, address: str, clients: int = 4) -> None:
-        self._address = address
-        self._clients = clients
-        self._stop = threading.Event()
-        self._seeds = itertools.count(1000)
-        self.results: list[Result] = []
-        self._pool = ThreadPoolExecutor(clients)
-
-    def _loop(self) -> None:
-        with Client(self._address) as client:
-            while not self._stop.is_set():
-                seed = next(self._seeds)
-                images = [media_factory.png(64 + seed % 50, 48 + seed % 30, seed=seed)] if seed % 3 else []
-                start = time.perf_counter()
-                try:
-                    answer = client.generate(
-                        user_request(f"request {seed}", images, max_tokens=8), timeout_s=DEADLINE_S * 3
-                    )
-                    self.results.append(
-                        Result(len(answer.token_ids) > 0 and answer.final is not None, time.perf_counter() - start)
-                    )
-                except grpc.RpcError as exc:
-                    self.results.append(Result(False, time.perf_counter() - start, exc.code(), exc.details()))
-
-    def __enter__(self) -> Load:
-        for _ in range(self._clients):
-            self._pool.submit(self._loop)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._pool.shutdown(wait=True)
+def _load(cluster: LocalCluster, clients: int = 4) -> Load:
+    return Load([cluster.address], _request, clients=clients, timeout_s=DEADLINE_S * 3)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +56,7 @@ def cluster(tiny_model_dir: Path, redis_server: RedisServer, tmp_path_factory) -
     local.stop()
 
 
-def _check(results: list[Result], phase: str) -> None:
+def _check(results: list[Outcome], phase: str) -> None:
     assert results, f"{phase}: no request completed"
     for r in results:
         assert r.seconds < DEADLINE_S + 2, f"{phase}: a request took {r.seconds:.1f}s ({r.code}: {r.details})"
@@ -115,32 +80,32 @@ def _serves_normally(cluster: LocalCluster) -> None:
 
 
 def test_encoder_killed_under_load(cluster: LocalCluster) -> None:
-    with Load(cluster.address) as load:
+    with _load(cluster) as load:
         time.sleep(2)
         os.kill(cluster.encoders[0].popen.pid, signal.SIGKILL)
         time.sleep(4)
-    _check(load.results, "encoder kill")
+    _check(load.outcomes, "encoder kill")
     _serves_normally(cluster)
 
 
 def test_redis_stopped_under_load(cluster: LocalCluster, redis_server: RedisServer) -> None:
-    with Load(cluster.address) as load:
+    with _load(cluster) as load:
         time.sleep(1)
         redis_server.stop()
         time.sleep(3)
         redis_server.start()
         time.sleep(2)
-    _check(load.results, "redis stop")
+    _check(load.outcomes, "redis stop")
     time.sleep(1)
     _serves_normally(cluster)
 
 
 def test_worker_killed_under_load(cluster: LocalCluster) -> None:
-    with Load(cluster.address) as load:
+    with _load(cluster) as load:
         time.sleep(2)
         os.kill(cluster.workers[0].popen.pid, signal.SIGKILL)
         time.sleep(4)
-    _check(load.results, "worker kill")
+    _check(load.outcomes, "worker kill")
     _serves_normally(cluster)
 
 
@@ -148,8 +113,8 @@ def test_all_encoders_gone_workers_encode_themselves(cluster: LocalCluster) -> N
     for encoder in cluster.encoders:
         if encoder.popen.poll() is None:
             os.kill(encoder.popen.pid, signal.SIGKILL)
-    with Load(cluster.address, clients=2) as load:
+    with _load(cluster, clients=2) as load:
         time.sleep(4)
-    _check(load.results, "no encoders")
-    assert all(r.ok for r in load.results), {r.details for r in load.results if not r.ok}
+    _check(load.outcomes, "no encoders")
+    assert all(r.ok for r in load.outcomes), {r.details for r in load.outcomes if not r.ok}
     _serves_normally(cluster)
