@@ -1,7 +1,9 @@
 """Runs the engine on its own thread and feeds results back to asyncio.
 
 The engine is not thread-safe; every call into it happens on this loop's thread. Other
-threads submit commands (add, provide an embedding, abort), which run before the next step.
+threads submit commands (add, provide an embedding, abort), which run in order before the next step;
+while sequences decode under an ITL target, for at most the engine's `command_budget_s` per gap between
+steps (the rest run in the next gap).
 Each request's outputs go to the sink given with it; the sink is dropped when the request
 finishes (its last choice: `request_finished`) or is aborted, so no output is delivered after that.
 """
@@ -31,6 +33,7 @@ class EngineLike(Protocol):
     def abort(self, request_id: str) -> None: ...
     def step(self) -> list[Any]: ...
     def has_work(self) -> bool: ...
+    def command_budget_s(self) -> float | None: ...
     def kv_state(self) -> Any: ...
 
 
@@ -118,12 +121,16 @@ class EngineLoop:
         self.snapshot = KVSnapshot(self._engine.kv_state(), at)  # one assignment: readers see a matching pair
 
     def _drain(self, block: bool) -> None:
+        """Run the queued commands (waiting for one when `block`), for at most the engine's command budget
+        (at least one command runs)."""
         try:
             command = self._commands.get(timeout=self._idle_wait_s) if block else self._commands.get_nowait()
         except queue.Empty:
             return
+        budget = self._engine.command_budget_s()
+        deadline = None if budget is None else time.perf_counter() + budget
         command()
-        while True:
+        while deadline is None or time.perf_counter() < deadline:
             try:
                 self._commands.get_nowait()()
             except queue.Empty:

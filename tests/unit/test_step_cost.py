@@ -4,6 +4,7 @@ and what the engine times."""
 from __future__ import annotations
 
 import random
+import threading
 import time
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.worker.engine.itl_target import ItlTarget
+from services.worker.engine.itl_target import COMMAND_SHARE, ItlTarget
 from services.worker.engine.scheduler import ScheduledChunk
 from services.worker.engine.step_cost import DEFAULT_PRIOR, TERMS, StepCostModel, StepShape, StepTiming
 
@@ -180,6 +181,59 @@ def test_target_plans_under_itself_by_the_recent_overrun() -> None:
     assert target.planned_s() == pytest.approx(0.04 / (1 + min(max(model.prefill_overrun, 0.15), 0.5)))
     budget = target.prefill_budget(8, 8 * 500, 300, 8192)
     assert model.predict(StepShape(8, 8 * 500, budget, budget * (300 + budget))) <= target.planned_s() < 0.04
+
+
+def test_time_already_waited_comes_off_the_plan() -> None:
+    """What the decodes waited before the step (the engine loop's commands) is planned out of the step."""
+    model = FITTED[2]
+    target = ItlTarget(0.04, model, minimum=16)
+    fresh, late = target.prefill_budget(8, 4000, 300, 8192), target.prefill_budget(8, 4000, 300, 8192, 0.01)
+    assert 16 < late < fresh
+
+    def predicted(tokens: int) -> float:
+        return model.predict(StepShape(8, 4000, tokens, tokens * (300 + tokens)))
+
+    assert predicted(late) <= target.planned_s() - 0.01 < predicted(late + 1)
+    assert target.prefill_budget(8, 4000, 300, 8192, target.planned_s()) == 16  # nothing left: the minimum
+    assert target.command_budget_s() == pytest.approx(0.04 * COMMAND_SHARE)
+
+
+@pytest.mark.parametrize("itl_target_ms", [0.0, 20.0])
+def test_engine_loop_bounds_its_commands_between_steps_under_a_target(
+    loaded: tuple[Any, Any], itl_target_ms: float
+) -> None:
+    """While a sequence decodes under a 20 ms target, commands between two steps run for at most a quarter of it
+    (5 ms): six commands of at least 3 ms each spread over at least three gaps, never more than two in one.
+    Without a target they all run in the first gap after they were queued."""
+    from services.worker.engine.config import EngineConfig
+    from services.worker.engine.engine import Engine
+    from services.worker.engine.request import EngineRequest, SamplingOptions
+    from services.worker.engine_loop import EngineLoop
+
+    adapter, model = loaded
+    config = EngineConfig(kv_cache_bytes=4 << 20, max_model_len=1024, itl_target_ms=itl_target_ms)
+    engine = Engine(adapter, model, config)
+    steps = []
+    engine.on_step = steps.append
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        decoding = threading.Event()
+        request = EngineRequest("a", [5, 6, 7, 8], [], SamplingOptions(max_tokens=800, ignore_eos=True))
+        loop.add_request(request, lambda out: decoding.set())
+        assert decoding.wait(30)
+        block = threading.Event()
+        loop.submit(lambda e: block.wait(10))  # hold the loop so that all six are queued before any runs
+        ran = [loop.submit(lambda e: (time.sleep(0.003), len(steps))[1]) for _ in range(6)]
+        block.set()
+        at_step = [f.result(timeout=30) for f in ran]
+    finally:
+        loop.stop()
+    per_gap = [at_step.count(n) for n in sorted(set(at_step))]
+    if itl_target_ms:
+        assert max(per_gap) <= 2 and len(per_gap) >= 3, at_step
+    else:
+        assert per_gap == [6], at_step
 
 
 def test_engine_times_a_step_from_the_last_tokens_while_sequences_decode(loaded: tuple[Any, Any]) -> None:

@@ -146,11 +146,19 @@ class Engine:
             for seq in self._sequences()
         )
 
+    def command_budget_s(self) -> float | None:
+        """How long the caller may run commands (admissions, embeddings, aborts) before the next step: bounded
+        by the ITL target while sequences decode on from the last step, else None (no bound)."""
+        if self.itl_target is None or self._tokens_at is None:
+            return None
+        return self.itl_target.command_budget_s()
+
     def step(self) -> list[StepOutput]:
         """Schedule, run the model once, sample; returns the new tokens of the requests that sampled."""
-        start = self._tokens_at or time.perf_counter()
+        now = time.perf_counter()
+        start = self._tokens_at or now
         self._tokens_at = None
-        scheduled = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule(spent_s=now - start)
         if not scheduled.chunks:
             self._stalled = True
             return []

@@ -89,10 +89,12 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, spent_s: float = 0.0) -> SchedulerOutput:
+        """This step's chunks; ``spent_s``: how long the decoding sequences have waited since their last token
+        (an ITL target plans the step to fit in what is left)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        prefill = self._prefill_budget(budget, out)
+        prefill = self._prefill_budget(budget, out, spent_s)
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -110,7 +112,7 @@ class Scheduler:
             self._admit_waiting(budget, prefill, out)
         return out
 
-    def _prefill_budget(self, budget: int, out: SchedulerOutput) -> int:
+    def _prefill_budget(self, budget: int, out: SchedulerOutput, spent_s: float = 0.0) -> int:
         """Prefill tokens this step may take: all of ``budget``, or less by decode priority. With
         ``prefill_tokens_per_free_seq`` set, that many per sequence slot not decoding this step (at least one
         block's worth); with an ``itl_target`` and decodes running, at most what the target allows (recorded in
@@ -133,7 +135,7 @@ class Scheduler:
             free_slots = max(self.config.max_num_seqs - decodes, 0)
             prefill = max(self.block_manager.block_size, per_slot * free_slots)
         if target is not None and decodes and prefilling:
-            out.itl_budget = target.prefill_budget(decodes, decode_context, prefill_context, budget)
+            out.itl_budget = target.prefill_budget(decodes, decode_context, prefill_context, budget, spent_s)
             prefill = min(prefill, out.itl_budget)
         return prefill
 
