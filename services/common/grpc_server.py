@@ -29,9 +29,11 @@ class RunningServer:
     health: health.aio.HealthServicer
     port: int
 
-    async def set_serving(self, names: Sequence[str]) -> None:
+    async def set_serving(self, names: Sequence[str], serving: bool = True) -> None:
+        """Health of the whole server ("") and of each named service: SERVING, or NOT_SERVING."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ["", *names]:
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            await self.health.set(name, status)
 
     async def stop(self, grace_s: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()
@@ -44,11 +46,13 @@ async def start_server(
     bindings: Sequence[ServiceBinding],
     credentials: grpc.ServerCredentials | None = None,
     echo_request_id: bool = False,
+    serving: bool = True,
 ) -> RunningServer:
     """Start a server on host:port (port 0 picks a free one) with health and reflection; over TLS when
     `credentials` (services/common/tls.py), else plaintext. Health and reflection share the port and its TLS.
     Every method runs with the caller's trace context and request id bound (services/common/rpc_context.py);
-    `echo_request_id` sends a client's `x-request-id` back (the public API)."""
+    `echo_request_id` sends a client's `x-request-id` back (the public API). With `serving=False` health says
+    NOT_SERVING until the caller calls `set_serving` (a service that must register first)."""
     server = grpc.aio.server(
         interceptors=[ServerContextInterceptor(echo=echo_request_id)],
         options=[
@@ -71,7 +75,7 @@ async def start_server(
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
     await server.start()
     running = RunningServer(server, health_servicer, bound)
-    await running.set_serving(names)
+    await running.set_serving(names, serving)
     return running
 
 

@@ -111,14 +111,22 @@ class Heartbeat:
         self._interval_s = interval_s
         self._task: asyncio.Task | None = None
 
-    def start(self) -> None:
+    async def start(self) -> bool:
+        """Publish once, awaited (a service turns its health SERVING after this, so whoever sees it healthy
+        can find it in the registry), then every `interval_s` on a background task. False when the first
+        publish failed (Redis unreachable): the task keeps trying."""
+        published = await self._publish()
         self._task = asyncio.create_task(self._run())
+        return published
+
+    async def _publish(self) -> bool:
+        state = self._state()
+        return await asyncio.to_thread(self._registry.publish, self._role, self._address, self._revision, state)
 
     async def _run(self) -> None:
         while True:
-            state = self._state()
-            await asyncio.to_thread(self._registry.publish, self._role, self._address, self._revision, state)
             await asyncio.sleep(self._interval_s)
+            await self._publish()
 
     async def move_to(self, role: str) -> None:
         """Publish under `role` from now on, leaving the current role at once (a draining service moves to

@@ -258,7 +258,7 @@ async def start_encoder(config: EncoderConfig) -> RunningEncoder:
     servicer = EncoderServicer(pipeline, pusher, metrics, config.transfer_timeout_s)
     binding = grpc_server.ServiceBinding(encoder_pb2_grpc.add_EncoderServicer_to_server, servicer, "epd.v1.Encoder")
     running = await grpc_server.start_server(
-        config.host, config.port, [binding], tls.internal_server_credentials(config)
+        config.host, config.port, [binding], tls.internal_server_credentials(config), serving=False
     )
     address = config.advertise_addr or f"{config.host}:{running.port}"
     registry = Registry(config.redis_url, ttl_s=max(1.0, 5 * config.heartbeat_interval_s))
@@ -270,7 +270,9 @@ async def start_encoder(config: EncoderConfig) -> RunningEncoder:
         lambda: admission.snapshot().as_state(),
         config.heartbeat_interval_s,
     )
-    heartbeat.start()
+    if not await heartbeat.start():
+        log.warning("registry publish failed at start-up (Redis unreachable?); retrying every heartbeat")
+    await running.set_serving([binding.name])  # healthy once routers can find it
     gc.freeze()  # the model, tokenizer and libraries never die: keep full collections off their objects
     log.info(
         "encoder serving on %s (model %s, %d decode processes, queue %d, transport %s)",

@@ -93,7 +93,7 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
         grpc_server.ServiceBinding(encoder_pb2_grpc.add_EncoderServicer_to_server, local_encoder, "epd.v1.Encoder"),
     ]
     credentials = tls.internal_server_credentials(config)
-    running = await grpc_server.start_server(config.host, config.port, bindings, credentials)
+    running = await grpc_server.start_server(config.host, config.port, bindings, credentials, serving=False)
     address = config.advertise_addr or f"{config.host}:{running.port}"
     local_encoder.address = address
 
@@ -113,7 +113,9 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
         state,
         config.heartbeat_interval_s,
     )
-    heartbeat.start()
+    if not await heartbeat.start():
+        log.warning("registry publish failed at start-up (Redis unreachable?); retrying every heartbeat")
+    await running.set_serving([b.name for b in bindings])  # healthy once routers can find it
     kv = loop.kv_state
     log.info(
         "worker serving on %s (model %s, attention %s, %d KV blocks of %d tokens)",
