@@ -114,8 +114,12 @@ class Heartbeat:
     async def start(self) -> bool:
         """Publish once, awaited (a service turns its health SERVING after this, so whoever sees it healthy
         can find it in the registry), then every `interval_s` on a background task. False when the first
-        publish failed (Redis unreachable): the task keeps trying."""
+        publish failed (Redis unreachable; logged): the task keeps trying."""
         published = await self._publish()
+        if not published:
+            log.warning(
+                "%s %s: registry publish failed at start-up; retrying every heartbeat", self._role, self._address
+            )
         self._task = asyncio.create_task(self._run())
         return published
 
@@ -133,7 +137,7 @@ class Heartbeat:
         `<role>-draining`: routers send it nothing new but still see it alive)."""
         old, self._role = self._role, role
         await asyncio.to_thread(self._registry.withdraw, old, self._address)
-        await asyncio.to_thread(self._registry.publish, role, self._address, self._revision, self._state())
+        await self._publish()
         await asyncio.to_thread(self._registry.withdraw, old, self._address)  # a publish in flight may have landed
 
     async def stop(self) -> None:

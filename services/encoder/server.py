@@ -270,8 +270,7 @@ async def start_encoder(config: EncoderConfig) -> RunningEncoder:
         lambda: admission.snapshot().as_state(),
         config.heartbeat_interval_s,
     )
-    if not await heartbeat.start():
-        log.warning("registry publish failed at start-up (Redis unreachable?); retrying every heartbeat")
+    await heartbeat.start()
     await running.set_serving([binding.name])  # healthy once routers can find it
     gc.freeze()  # the model, tokenizer and libraries never die: keep full collections off their objects
     log.info(

@@ -113,8 +113,7 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
         state,
         config.heartbeat_interval_s,
     )
-    if not await heartbeat.start():
-        log.warning("registry publish failed at start-up (Redis unreachable?); retrying every heartbeat")
+    await heartbeat.start()
     await running.set_serving([b.name for b in bindings])  # healthy once routers can find it
     kv = loop.kv_state
     log.info(
