@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from services.common.config import ConfigError, ServiceConfig, env_name, require_positive
-from services.worker.engine.config import ATTENTION_BACKENDS
+from services.worker.engine.config import ATTENTION_BACKENDS, EngineConfig
 
 
 @dataclasses.dataclass
@@ -38,6 +38,27 @@ class WorkerConfig(ServiceConfig):
     cuda_graphs: bool = dataclasses.field(
         default=True, metadata={"help": "replay decode-only steps as CUDA graphs (CUDA with flash backends)"}
     )
+    engine_process: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "run the engine in a child process with a GIL of its own (docs/engine.md)"},
+    )
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's settings among the worker's."""
+        return EngineConfig(
+            block_size=self.block_size,
+            kv_cache_bytes=self.kv_cache_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            itl_target_ms=self.itl_target_ms,
+            overcommit=self.overcommit,
+            enable_prefix_caching=self.enable_prefix_caching,
+            dtype=self.dtype,
+            device=self.device,
+            attention_backend=self.attention_backend,
+            cuda_graphs="auto" if self.cuda_graphs else "off",
+        )
 
     def validate(self) -> None:
         super().validate()

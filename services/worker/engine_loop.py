@@ -47,8 +47,15 @@ class KVSnapshot:
 
 
 class EngineLoop:
-    def __init__(self, engine: EngineLike, idle_wait_s: float = 0.05, nice: int = 0) -> None:
+    def __init__(
+        self,
+        engine: EngineLike,
+        idle_wait_s: float = 0.05,
+        nice: int = 0,
+        after_iteration: Callable[[], None] | None = None,
+    ) -> None:
         self._nice = nice
+        self._after_iteration = after_iteration  # on this thread, after each iteration's outputs and snapshot
         self._engine = engine
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
@@ -80,12 +87,14 @@ class EngineLoop:
     def provide_embedding(self, mm_hash: str, tensor: Any) -> None:
         self._commands.put(lambda: self._engine.provide_embedding(mm_hash, tensor))
 
-    def abort(self, request_id: str) -> None:
-        def abort() -> None:
-            self._sinks.pop(request_id, None)
-            self._engine.abort(request_id)
+    def abort(self, request_id: str) -> concurrent.futures.Future:
+        """Drop the request and its sink; the future holds whether the engine knew it."""
 
-        self._commands.put(abort)
+        def abort(engine: Any) -> bool:
+            self._sinks.pop(request_id, None)
+            return bool(engine.abort(request_id))
+
+        return self.submit(abort)
 
     def submit(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Run `fn(engine)` on the engine thread; the future holds its result or exception."""
@@ -152,6 +161,8 @@ class EngineLoop:
                         if sink is not None:
                             sink(output)
                 self._snapshot()
+                if self._after_iteration is not None:
+                    self._after_iteration()
             except Exception:  # a bug in one step must not kill the worker silently
                 log.exception("engine step failed; failing the running requests")
                 for request_id, sink in list(self._sinks.items()):

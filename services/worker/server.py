@@ -35,6 +35,7 @@ from services.worker.config import WorkerConfig
 from services.worker.embedding_store import EmbeddingStore
 from services.worker.engine.request import StepOutput
 from services.worker.engine_loop import EngineLoop
+from services.worker.engine_process import EngineGone, EngineProcess
 from services.worker.messages import by_choice, engine_request, response
 from services.worker.metrics import WorkerMetrics
 
@@ -59,7 +60,7 @@ DRAIN_METADATA = (("epd-migrate-reason", "drain"),)
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(
         self,
-        loop: EngineLoop,
+        loop: EngineLoop | EngineProcess,
         store: EmbeddingStore,
         config: WorkerConfig,
         metrics: WorkerMetrics,
@@ -106,6 +107,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineGone as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self._config.address}: {exc}")
         if admitted is None:
             state = self._loop.kv_state
             await context.abort(
@@ -252,5 +255,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         request: worker_pb2.AbortRequest,
         context: grpc.aio.ServicerContext,
     ) -> worker_pb2.AbortReply:
-        found = await asyncio.wrap_future(self._loop.submit(lambda engine: engine.abort(request.request_id)))
-        return worker_pb2.AbortReply(found=bool(found))
+        try:
+            found = await asyncio.wrap_future(self._loop.abort(request.request_id))
+        except EngineGone:
+            found = False  # its engine process is gone, and the request with it
+        return worker_pb2.AbortReply(found=found)

@@ -1,8 +1,10 @@
-"""Starting the worker: the model and its engine thread, the `Worker` and co-located `Encoder` servicers
-served over gRPC, and the heartbeat that publishes the KV state; `RunningWorker` drains and stops them."""
+"""Starting the worker: the model and its engine thread (or engine process), the `Worker` and co-located
+`Encoder` servicers served over gRPC, and the heartbeat that publishes the KV state; `RunningWorker` drains and
+stops them."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 
@@ -18,9 +20,9 @@ from services.common.telemetry import Telemetry
 from services.models.vision_runner import VisionRunner
 from services.worker.config import WorkerConfig
 from services.worker.embedding_store import EmbeddingStore
-from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine_loop import EngineLoop
+from services.worker.engine_process import EngineProcess
 from services.worker.local_encoder import LocalEncoderServicer
 from services.worker.metrics import WorkerMetrics
 from services.worker.server import WorkerServicer
@@ -32,7 +34,7 @@ log = logging.getLogger(__name__)
 class RunningWorker:
     server: grpc_server.RunningServer
     servicer: WorkerServicer
-    loop: EngineLoop
+    loop: EngineLoop | EngineProcess
     heartbeat: Heartbeat
     telemetry: Telemetry
 
@@ -55,38 +57,24 @@ class RunningWorker:
         self.telemetry.shutdown()
 
 
-def engine_config(config: WorkerConfig) -> EngineConfig:
-    return EngineConfig(
-        block_size=config.block_size,
-        kv_cache_bytes=config.kv_cache_bytes,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_num_seqs=config.max_num_seqs,
-        itl_target_ms=config.itl_target_ms,
-        overcommit=config.overcommit,
-        enable_prefix_caching=config.enable_prefix_caching,
-        dtype=config.dtype,
-        device=config.device,
-        attention_backend=config.attention_backend,
-        cuda_graphs="auto" if config.cuda_graphs else "off",
-    )
-
-
 async def start_worker(config: WorkerConfig) -> RunningWorker:
     """Load the model, start the engine thread, serve `Worker` and heartbeat the KV state."""
     info = load_model_info(config.model)
-    model = info.adapter.load_model(device=config.device, dtype=dtype_of(config.dtype))
     telemetry = Telemetry("worker", config.host, config.metrics_port, info.model_dir.resolve().name)
     cache = EmbeddingCache(CacheSettings.for_service(config, info.identity.revision))
-    engine = Engine(info.adapter, model, engine_config(config))
-    loop = EngineLoop(engine, nice=config.compute_nice)
+    if config.engine_process:
+        loop = engine = runner = EngineProcess(config)  # the child loads the model; on_step is called here
+    else:
+        model = info.adapter.load_model(device=config.device, dtype=dtype_of(config.dtype))
+        engine = Engine(info.adapter, model, config.engine_config())  # on_step is called on the engine thread
+        loop, runner = EngineLoop(engine, nice=config.compute_nice), VisionRunner(info.adapter, model)
     metrics = WorkerMetrics.create(telemetry.meter, lambda: loop.kv_state, engine.step_costs)
-    engine.on_step = metrics.record_step  # called on the engine thread, set before it starts
-    loop.start()
+    engine.on_step = metrics.record_step  # set before the engine starts
+    await asyncio.to_thread(loop.start)
     store = EmbeddingStore(cache)
     servicer = WorkerServicer(loop, store, config, metrics)
     local_encoder = LocalEncoderServicer(
-        VisionRunner(info.adapter, model), store, cache, MediaLimits(max_pixels=config.max_image_pixels), config.address
+        runner, store, cache, MediaLimits(max_pixels=config.max_image_pixels), config.address
     )
     bindings = [
         grpc_server.ServiceBinding(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "epd.v1.Worker"),

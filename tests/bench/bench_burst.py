@@ -1,15 +1,15 @@
 """Benchmark: text streams decoding through a burst of large images, without and with an inter-token latency target.
 
-Issue 17. Two real clusters (router, encoder, worker on free ports; a database each of one private Redis, so
-each router sees only its own worker) in one invocation: one without a target, one with `EPD_ITL_TARGET_MS`
-(`--itl-target-ms`, default `--target-factor` (2) x the quiet inter-token p99 of the first cluster's first
-episode: the calibration). Each cluster first sends the images
-once with a `cache_salt` of their own (their embeddings are then cached: the bursts measure the worker's
-prefill, not the encoder); then `--bursts` episodes each, alternating between the clusters (no target, target,
-no target, ...: both see the shared box in the same minutes), each with a salt of its own (its prompts miss the
-prefix cache): `--streams` text streams start (eos ignored, `--stream-tokens` each), and once every stream has
-`--quiet-tokens` tokens, `--images` distinct images (`--image-size`) arrive at once with `--image-tokens`
-tokens to generate.
+Issue 17. Two real clusters (router, encoder, worker on free ports; a database each of one private Redis, so each
+router sees only its own worker) in one invocation: one without a target, one with `EPD_ITL_TARGET_MS`
+(`--itl-target-ms`, default `--target-factor` (2) x the quiet inter-token p99 of the first cluster's first two
+episodes: the calibration; the JSON's `target_over_quiet_p99` is the factor the target run saw). Each cluster
+first sends the images once with a `cache_salt` of their own (their embeddings are then cached: the bursts
+measure the worker's prefill, not the encoder); then `--bursts` episodes each, alternating between the clusters
+(no target, target, no target, ...: both see the shared box in the same minutes), each with a salt of its own
+(its prompts miss the prefix cache): `--streams` text streams start (eos ignored, `--stream-tokens` each), and
+once every stream has `--quiet-tokens` tokens, `--images` distinct images (`--image-size`) arrive at once with
+`--image-tokens` tokens to generate.
 
 What is measured, at the clients (the streams in one asyncio process, a channel each; the images from a process
 of their own, as other users' requests: `ImageSender`): each token's arrival time. The
@@ -27,7 +27,8 @@ each run's figures.
 
 The model is make_tiny_model's, 256 wide and 4 layers deep by default: a decode step of 8 sequences costs
 ~3 ms on one core and a prefill token ~0.1 ms, so a 2048-token step stalls every stream for ~0.2 s. Every
-service gets one torch thread and the priorities `epd up` gives (`--compute-nice` sets the worker's
+service gets one torch thread and the priorities `epd up` gives (`--engine-process` runs both workers' engines in
+a process of their own, docs/engine.md; `--compute-nice` sets the worker's
 `EPD_COMPUTE_NICE`: at 10, as `epd bench admission` runs, another program's load on this shared box took
 the engine thread's core for up to 100 ms in a step planned at 20). The images are JPEGs (~0.2 MB each; a
 PNG of the same noise is 2.7 MB, and eight at once kept the client and the router busy). The load average
@@ -101,6 +102,11 @@ class RunResult:
     episodes: list[Episode]
     worker_metrics: str = ""
     load_average: float = 0.0  # the box's 1-minute load average at the end (other work on it skews everything)
+
+
+CALIBRATION_EPISODES = 2
+"""Episodes of the no-target cluster whose pooled quiet inter-token p99 sets the target (~2,500 gaps: one
+episode's ~1,300 put the p99 anywhere from 9 to 15 ms on a 2-core box whose runs' p99 sat at 10-12)."""
 
 
 def _gaps(times: list[float], start: float, end: float) -> list[tuple[float, float]]:
@@ -269,11 +275,11 @@ class BenchCluster:
 
     @classmethod
     async def open(
-        cls, model: Path, redis_url: str, settings: Settings, images: list[bytes], target_ms: float, nice: int
+        cls, model: Path, redis_url: str, settings: Settings, images: list[bytes], target_ms: float, env: dict[str, str]
     ) -> BenchCluster:
         from services.launch.local import ClusterSpec, start_cluster
 
-        env = {"EPD_COMPUTE_NICE": str(nice), "EPD_ITL_TARGET_MS": str(target_ms), "EPD_HTTP_PORT": "0"}
+        env = {**env, "EPD_ITL_TARGET_MS": str(target_ms), "EPD_HTTP_PORT": "0"}
         spec = ClusterSpec(model, redis_url=redis_url, free_ports=True, env=env)
         opened = cls(await asyncio.to_thread(start_cluster, spec), settings, images)
         try:
@@ -297,25 +303,34 @@ class BenchCluster:
 
 
 async def run_both(
-    model: Path, redis_url: str, settings: Settings, images: list[bytes], target_ms: float, factor: float, nice: int
+    model: Path,
+    redis_url: str,
+    settings: Settings,
+    images: list[bytes],
+    target_ms: float,
+    factor: float,
+    env: dict[str, str],
 ) -> tuple[RunResult, RunResult, float]:
-    """The no-target cluster's first episode calibrates the target (unless given); then both clusters are up
-    and their episodes alternate, so both see the box in the same minutes. Returns both runs and the target.
+    """The no-target cluster's first ``CALIBRATION_EPISODES`` episodes calibrate the target (unless given); then
+    both clusters are up and their episodes alternate, so both see the box in the same minutes; ``env`` holds the
+    settings both share. Returns both runs and the target.
 
     ``redis_url`` names database 0; the clusters take databases 0 and 1 of that server: each its own registry
     (a router sees only its own worker) and embedding cache."""
     base = redis_url.rsplit("/", 1)[0]
-    plain = await BenchCluster.open(model, f"{base}/0", settings, images, 0.0, nice)
+    plain = await BenchCluster.open(model, f"{base}/0", settings, images, 0.0, env)
     try:
-        await plain.episode("plain-0")
+        first = min(CALIBRATION_EPISODES, settings.bursts)
+        for k in range(first):
+            await plain.episode(f"plain-{k}")
         if not target_ms:
             target_ms = round(factor * summarize(plain.result, settings)["quiet_itl_p99_ms"], 1)
-        targeted = await BenchCluster.open(model, f"{base}/1", settings, images, target_ms, nice)
+        targeted = await BenchCluster.open(model, f"{base}/1", settings, images, target_ms, env)
         try:
             for k in range(settings.bursts):
                 await targeted.episode(f"target-{k}")
-                if k + 1 < settings.bursts:
-                    await plain.episode(f"plain-{k + 1}")
+                if first + k < settings.bursts:
+                    await plain.episode(f"plain-{first + k}")
         finally:
             await targeted.close()
     finally:
@@ -376,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text-width", type=int, default=256, help="the model's hidden size (multiple of 64)")
     parser.add_argument("--text-layers", type=int, default=4, help="the model's layers")
     parser.add_argument("--compute-nice", type=int, default=0, help="the worker engine thread's nice increment")
+    parser.add_argument(
+        "--engine-process", action="store_true", help="both clusters' workers with EPD_ENGINE_PROCESS=true"
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny model, 2 streams, 2 small images")
     args = parser.parse_args(argv)
     if args.quick:
@@ -397,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     from tests import media_factory
     from tests.redis_server import RedisServer
 
+    env = {"EPD_COMPUTE_NICE": str(args.compute_nice), "EPD_ENGINE_PROCESS": str(args.engine_process).lower()}
     images = [media_factory.jpeg(width, height, seed=1000 + i) for i in range(args.images)]
     redis = RedisServer(free_port())
     redis.start()
@@ -406,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
                 Path(tmp) / "model", "qwen2-vl", text_width=args.text_width, text_layers=args.text_layers
             )
             plain, targeted, target_ms = asyncio.run(
-                run_both(model, redis.url, settings, images, args.itl_target_ms, args.target_factor, args.compute_nice)
+                run_both(model, redis.url, settings, images, args.itl_target_ms, args.target_factor, env)
             )
     finally:
         redis.stop()
@@ -419,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     budgeted = _metric(targeted.worker_metrics, "epd_step_prefill_budget_tokens_sum")
     with_target["mean_prefill_budget"] = budgeted / budgets if budgets else 0.0
     with_target["throughput_ratio"] = with_target["tokens_per_s"] / base["tokens_per_s"]
+    with_target["target_over_quiet_p99"] = target_ms / with_target["quiet_itl_p99_ms"]
     base["throughput_ratio"] = 1.0
     print(
         json.dumps(

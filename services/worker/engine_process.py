@@ -1,0 +1,394 @@
+"""The engine in a process of its own (`EPD_ENGINE_PROCESS=true`), behind the interface of `EngineLoop`.
+
+Why: in one process the engine thread shares the GIL with the worker's event loop and gRPC's poller thread.
+A CPU step is some hundred torch ops, each releasing the GIL and taking it back, and every message the event
+loop relays (a write, its completion) takes it in between: timed with the thread's scheduler statistics, a
+worker's steps spent 1.5-1.8 ms each (a third of a quiet decode step) and up to 4.4 ms in a burst waiting for
+the GIL, neither computing nor waiting for a core. In a child process the engine has a GIL of its own, as
+vLLM's engine core does.
+
+The parent (`EngineProcess`) spawns the child (a fresh interpreter: CUDA-safe), which loads the model and runs
+an `EngineLoop`; the two speak over one pipe. Down: admissions, embeddings (through shared memory), aborts,
+co-located encodes. Up, once per engine-loop iteration that changed something: the step's outputs per request,
+when finished requests freed their blocks, the KV snapshot, the timed steps and the fitted step-cost
+coefficients. A reader thread in the parent hands outputs to the sinks and the timings to `on_step`. If the
+child dies, every running request's sink gets None (the worker answers INTERNAL, the router migrates) and
+`on_lost` runs (the worker exits, its supervisor restarts it).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import gc
+import itertools
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.multiprocessing  # noqa: F401  (registers the tensor reductions: tensors cross in shared memory)
+
+from services.worker.config import WorkerConfig
+from services.worker.engine.step_cost import DEFAULT_PRIOR, StepTiming
+from services.worker.engine_loop import EngineLoop, KVSnapshot, Sink
+
+log = logging.getLogger(__name__)
+
+IDLE_SNAPSHOT_S = 0.05
+"""The child sends its KV snapshot at least this often while anything is running, changed or not."""
+
+
+class EngineGone(RuntimeError):
+    """The engine process has exited (or was stopped): nothing more can run on this worker."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Admit:
+    token: int
+    request: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Embedding:
+    mm_hash: str
+    tensor: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class _Abort:
+    token: int
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Encode:
+    token: int
+    images: list
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ready:
+    snapshot: KVSnapshot
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failed:
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reply:
+    token: int
+    value: Any = None
+    error: BaseException | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Update:
+    """One engine-loop iteration's news: (request id, output or None for a failed request) in step order."""
+
+    outputs: list[tuple[str, Any]]
+    finished_at: dict[str, float]
+    snapshot: KVSnapshot
+    timings: list[StepTiming]
+    coefficients: tuple[float, ...]
+
+
+@dataclasses.dataclass
+class StepCosts:
+    """The child's fitted step-cost coefficients as last reported (what the metrics read of a `StepCostModel`)."""
+
+    coefficients: tuple[float, ...] = DEFAULT_PRIOR
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodedEmbeddings:
+    """A co-located encode's result, as `VisionRunner.encode`'s (what `LocalEncoderServicer` reads)."""
+
+    embeddings: list[torch.Tensor]
+
+
+class EngineProcess:
+    """`EngineLoop`'s interface over an engine in a child process. Invariant: a request's sink is registered
+    before its admission is sent and dropped when its last output, a failure, a refusal or an abort is seen, so
+    no output reaches a sink after that; every future handed out completes (with an error if the child dies)."""
+
+    def __init__(self, config: WorkerConfig, on_lost: Callable[[], None] | None = None) -> None:
+        self._config = config
+        self._on_lost = on_lost or _exit_soon
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(target=_child_main, args=(child_conn, config), name="epd-engine", daemon=True)
+        self._child_conn = child_conn
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()  # sinks and replies: the event loop adds, the reader thread takes
+        self._sinks: dict[str, Sink] = {}
+        self._replies: dict[int, concurrent.futures.Future] = {}
+        self._tokens = itertools.count()
+        self._ready = threading.Event()
+        self._failure = ""
+        self._stopping = False
+        self._reader = threading.Thread(target=self._read, name="engine-process-reader", daemon=True)
+        self.snapshot: KVSnapshot | None = None
+        self.finished_at: dict[str, float] = {}  # request id -> when its blocks were freed; popped by the server
+        self.step_costs = StepCosts()
+        self.on_step: Callable[[StepTiming], None] | None = None
+
+    @property
+    def kv_state(self) -> Any:
+        return self.snapshot.state
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id (None before start)."""
+        return self._process.pid
+
+    def start(self, timeout_s: float | None = None) -> None:
+        """Spawn the child and wait until its model is loaded; RuntimeError (with the child's reason) if it fails."""
+        self._process.start()
+        self._child_conn.close()
+        self._reader.start()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._ready.wait(0.5):
+            if not self._process.is_alive():
+                self._reader.join(timeout=5)  # it reads the child's reason, if it sent one, then sees the pipe close
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                self._failure = f"not ready within {timeout_s:.0f} s"
+                break
+        if not self._ready.is_set():
+            self._failure = self._failure or f"exit code {self._process.exitcode}"
+            self.stop()
+            raise RuntimeError(f"the engine process failed to start: {self._failure}")
+
+    def stop(self) -> None:
+        self._stopping = True
+        if self._process.is_alive():
+            with contextlib.suppress(OSError):  # the child may be going already
+                self._send(_Stop())
+            self._process.join(timeout=10)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(timeout=5)
+        if self._reader.is_alive():
+            self._reader.join(timeout=5)  # the child is gone: the pipe is at its end
+        self._conn.close()
+
+    def add_admitted(self, request: Any, sink: Sink) -> concurrent.futures.Future:
+        """As `EngineLoop.add_admitted`: the future holds the admission time, None when refused, or the
+        engine's ValueError."""
+        with self._lock:
+            self._sinks[request.request_id] = sink
+        future = self._call(lambda token: _Admit(token, request))
+        future.add_done_callback(functools.partial(self._admitted, request.request_id))
+        return future
+
+    def _admitted(self, request_id: str, future: concurrent.futures.Future) -> None:
+        if future.exception() is not None or future.result() is None:
+            with self._lock:
+                self._sinks.pop(request_id, None)
+
+    def provide_embedding(self, mm_hash: str, tensor: torch.Tensor) -> None:
+        # host shared memory: a CUDA tensor's IPC handle would need the parent to hold it until the child is done
+        self._send(_Embedding(mm_hash, _shareable(tensor)))
+
+    def abort(self, request_id: str) -> concurrent.futures.Future:
+        """Drop the request here at once and in the engine; the future holds whether the engine knew it."""
+        with self._lock:
+            self._sinks.pop(request_id, None)
+        return self._call(lambda token: _Abort(token, request_id))
+
+    def encode(self, images: list) -> EncodedEmbeddings:
+        """The vision tower in the child over `images` (blocking: call it from a thread)."""
+        return EncodedEmbeddings(self._call(lambda token: _Encode(token, images)).result())
+
+    def _call(self, message: Callable[[int], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        token = next(self._tokens)
+        with self._lock:
+            if self._failure or self._stopping:
+                future.set_exception(EngineGone(f"the engine process is gone ({self._failure or 'stopped'})"))
+                return future
+            self._replies[token] = future
+        self._send(message(token))
+        return future
+
+    def _send(self, message: Any) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            if isinstance(message, _Update):
+                self._update(message)
+            elif isinstance(message, _Reply):
+                with self._lock:
+                    future = self._replies.pop(message.token)
+                if message.error is not None:
+                    future.set_exception(message.error)
+                else:
+                    future.set_result(message.value)
+            elif isinstance(message, _Ready):
+                self.snapshot = message.snapshot
+                self._ready.set()
+            elif isinstance(message, _Failed):
+                self._failure = message.message
+        self._lost()
+
+    def _update(self, update: _Update) -> None:
+        with self._lock:  # only for streams still here: the server pops each when it sends the last output
+            finished = {k: v for k, v in update.finished_at.items() if k in self._sinks}
+        self.finished_at.update(finished)  # before the sinks: the server reads it on the last output
+        self.snapshot = update.snapshot
+        self.step_costs.coefficients = update.coefficients
+        if self.on_step is not None:
+            for timing in update.timings:
+                self.on_step(timing)
+        for request_id, output in update.outputs:
+            with self._lock:
+                sink = self._sinks.get(request_id)
+                if output is None or output.request_finished:
+                    self._sinks.pop(request_id, None)
+            if sink is not None:
+                sink(output)
+
+    def _lost(self) -> None:
+        """The pipe closed: at stop, nothing to do; else the child died, and everything in flight fails."""
+        with self._lock:
+            self._failure = self._failure or f"exit code {self._process.exitcode}"
+            sinks, self._sinks = self._sinks, {}
+            replies, self._replies = self._replies, {}
+        for future in replies.values():
+            future.set_exception(EngineGone(f"the engine process is gone ({self._failure})"))
+        if self._stopping or not self._ready.is_set():
+            return
+        log.critical("the engine process died (%s); failing %d running request(s)", self._failure, len(sinks))
+        for sink in sinks.values():
+            sink(None)
+        self._on_lost()
+
+
+def _exit_soon() -> None:
+    """The worker cannot serve without its engine: exit (code 1) once the failed streams had a second to end."""
+    threading.Timer(1.0, os._exit, args=(1,)).start()
+
+
+def _shareable(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on the host in memory that can be shared (one copy unless it already is)."""
+    if tensor.device.type == "cpu" and tensor.is_shared():
+        return tensor
+    shared = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
+    shared.copy_(tensor)
+    return shared
+
+
+class _Child:
+    """The child's side: commands from the pipe into an `EngineLoop`; its news back once per iteration."""
+
+    def __init__(self, conn: Connection, engine: Any, runner: Any, nice: int) -> None:
+        self._conn = conn
+        self._engine = engine
+        self._runner = runner
+        self._send_lock = threading.Lock()
+        self._outputs: list[tuple[str, Any]] = []  # engine thread only
+        self._timings: list[StepTiming] = []  # engine thread only
+        self._sent: tuple[Any, float] = (None, 0.0)  # the last snapshot state sent, and when
+        engine.on_step = self._timed
+        self.loop = EngineLoop(engine, nice=nice, after_iteration=self._publish)
+        self._encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-encode")
+
+    def run(self) -> None:
+        self.loop.start()
+        self._send(_Ready(self.loop.snapshot))
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            if isinstance(message, _Stop):
+                break
+            self._handle(message)
+        self.loop.stop()
+        self._encoder.shutdown(wait=False, cancel_futures=True)
+
+    def _handle(self, message: Any) -> None:
+        if isinstance(message, _Admit):
+            request_id = message.request.request_id
+            sink = functools.partial(self._collect, request_id)
+            self.loop.add_admitted(message.request, sink).add_done_callback(functools.partial(self._reply, message))
+        elif isinstance(message, _Embedding):
+            self.loop.provide_embedding(message.mm_hash, message.tensor)
+        elif isinstance(message, _Abort):
+            self.loop.abort(message.request_id).add_done_callback(functools.partial(self._reply, message))
+        elif isinstance(message, _Encode):
+            encoded = self._encoder.submit(lambda images: self._runner.encode(images).embeddings, message.images)
+            encoded.add_done_callback(functools.partial(self._reply, message))
+
+    def _timed(self, timing: StepTiming) -> None:
+        self._timings.append(timing)
+
+    def _collect(self, request_id: str, output: Any) -> None:
+        self._outputs.append((request_id, output))
+
+    def _reply(self, message: Any, future: concurrent.futures.Future) -> None:
+        error = future.exception()
+        self._send(_Reply(message.token, None if error is not None else future.result(), error))
+
+    def _publish(self) -> None:
+        """After each engine-loop iteration (engine thread): send what changed, or the snapshot now and then."""
+        snapshot = self.loop.snapshot
+        last_state, last_at = self._sent
+        quiet = not self._outputs and not self._timings and snapshot.state == last_state
+        if quiet and (snapshot.at - last_at < IDLE_SNAPSHOT_S or not self._engine.has_work()):
+            return
+        outputs, self._outputs = self._outputs, []
+        timings, self._timings = self._timings, []
+        finished, self.loop.finished_at = self.loop.finished_at, {}
+        self._sent = (snapshot.state, snapshot.at)
+        self._send(_Update(outputs, finished, snapshot, timings, self._engine.step_costs.coefficients))
+
+    def _send(self, message: Any) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+
+def _child_main(conn: Connection, config: WorkerConfig) -> None:
+    """The child process: load the model and engine from ``config``, then serve the pipe until told to stop."""
+    from services.common.model_info import load_model_info
+    from services.common.service_main import dtype_of, setup_logging
+    from services.models.vision_runner import VisionRunner
+    from services.worker.engine.engine import Engine
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the worker drains, then stops us
+    setup_logging(config.log_level, "worker-engine", config.log_format)
+    if config.torch_threads > 0:
+        torch.set_num_threads(config.torch_threads)
+    try:
+        info = load_model_info(config.model)
+        model = info.adapter.load_model(device=config.device, dtype=dtype_of(config.dtype))
+        engine = Engine(info.adapter, model, config.engine_config())
+        child = _Child(conn, engine, VisionRunner(info.adapter, model), config.compute_nice)
+    except Exception as exc:  # reported to the parent, which names it in its own start-up error
+        log.exception("engine process start-up failed")
+        conn.send(_Failed(f"{type(exc).__name__}: {exc}"))
+        return
+    gc.freeze()  # the model and libraries never die: keep full collections off their objects
+    child.run()

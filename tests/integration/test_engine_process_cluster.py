@@ -1,0 +1,89 @@
+"""`EPD_ENGINE_PROCESS=true` through the whole cluster: the worker's engine runs in a child process of its own.
+With no encoder deployed, the router has the worker encode (the tower runs in the child too); greedy answers
+equal `generate`; killing the engine process fails the running stream at once (no hang) and the worker exits
+with code 1, for its supervisor to restart it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.client import Client, user_request
+from services.launch.local import ClusterSpec, LocalCluster, start_cluster
+from tests import media_factory
+from tests.integration.conftest import RedisServer, model_folder
+from tests.integration.test_skeleton import MAX_TOKENS, PROMPT, expected
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return model_folder(tmp_path_factory.mktemp("models"), "qwen2-vl")
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
+    env = {"EPD_ENGINE_PROCESS": "true", "EPD_HTTP_PORT": "0"}
+    local = start_cluster(ClusterSpec(model_dir, encoders=0, redis_url=redis_server.url, free_ports=True, env=env,
+                                      log_dir=tmp_path_factory.mktemp("logs")))  # fmt: skip
+    yield local
+    local.stop()
+
+
+def engine_child(parent: int) -> int:
+    """The pid of the engine process the worker ``parent`` spawned (not multiprocessing's resource tracker)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            status = Path(f"/proc/{entry}/status").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        ppid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+        if ppid == parent and "multiprocessing" in cmdline and "resource_tracker" not in cmdline:
+            return int(entry)
+    raise AssertionError(f"worker {parent} has no engine process")
+
+
+def test_answers_equal_generate_with_the_tower_in_the_engine_process(cluster: LocalCluster, model_dir: Path) -> None:
+    client = Client(cluster.address)
+    try:
+        for images, prompt in [
+            ([media_factory.jpeg(1400, 1100, seed=1)], PROMPT),
+            ([media_factory.png(64, 96, seed=5), media_factory.jpeg(150, 80, seed=6)], "Compare them."),
+            ([], "Hello there"),
+        ]:
+            answer = client.generate(user_request(prompt, images, max_tokens=MAX_TOKENS))
+            assert answer.token_ids == expected(model_dir, images, prompt), prompt
+    finally:
+        client.close()
+
+
+def test_the_worker_exits_when_its_engine_process_dies(cluster: LocalCluster) -> None:
+    worker = cluster.workers[0].popen
+    child = engine_child(worker.pid)
+    client = Client(cluster.address)
+    try:
+        request = user_request("Count for a long time.", max_tokens=4000)
+        request.sampling.ignore_eos = True
+        stream = client.stream(request)
+        while not next(stream).HasField("chunk"):  # a first token: the request runs in the engine process
+            pass
+        os.kill(child, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as failed:
+            for _ in stream:
+                pass
+        assert failed.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE), failed.value
+        assert time.monotonic() - started < 30
+        assert worker.wait(timeout=30) == 1
+    finally:
+        client.close()
