@@ -1,7 +1,7 @@
 """`EPD_ENGINE_PROCESS=true` through the whole cluster: the worker's engine runs in a child process of its own.
 With no encoder deployed, the router has the worker encode (the tower runs in the child too); greedy answers
-equal `generate`; killing the engine process fails the running stream at once (no hang) and the worker exits
-with code 1, for its supervisor to restart it."""
+equal `generate`; killing the engine process ends the running stream with an error within seconds (no hang)
+and the worker exits with code 1, for its supervisor to restart it."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import grpc
 import pytest
 
 from services.client import Client, user_request
-from services.launch.local import ClusterSpec, LocalCluster, start_cluster
+from services.launch.local import LocalCluster
 from tests import media_factory
-from tests.integration.conftest import RedisServer, model_folder
+from tests.integration.conftest import RedisServer, model_folder, module_cluster
 from tests.integration.test_skeleton import MAX_TOKENS, PROMPT, expected
 
 
@@ -31,10 +31,7 @@ def cluster(
     model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalCluster]:
     env = {"EPD_ENGINE_PROCESS": "true", "EPD_HTTP_PORT": "0"}
-    local = start_cluster(ClusterSpec(model_dir, encoders=0, redis_url=redis_server.url, free_ports=True, env=env,
-                                      log_dir=tmp_path_factory.mktemp("logs")))  # fmt: skip
-    yield local
-    local.stop()
+    yield from module_cluster(model_dir, redis_server, tmp_path_factory, encoders=0, env=env)
 
 
 def engine_child(parent: int) -> int:
@@ -82,7 +79,10 @@ def test_the_worker_exits_when_its_engine_process_dies(cluster: LocalCluster) ->
         with pytest.raises(grpc.RpcError) as failed:
             for _ in stream:
                 pass
-        assert failed.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE), failed.value
+        # the worker's stream fails (INTERNAL); the router migrates the request, and with no other worker the
+        # retry is refused (UNAVAILABLE), or waits for room the dead worker's last KV state does not show
+        ended = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        assert failed.value.code() in ended, failed.value
         assert time.monotonic() - started < 30
         assert worker.wait(timeout=30) == 1
     finally:

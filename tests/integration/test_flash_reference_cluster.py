@@ -12,9 +12,9 @@ import pytest
 
 from services.client import Client, user_request
 from services.common.registry import Registry
-from services.launch.local import ClusterSpec, LocalCluster, start_cluster
+from services.launch.local import LocalCluster
 from tests import media_factory
-from tests.integration.conftest import RedisServer, model_folder
+from tests.integration.conftest import RedisServer, model_folder, module_cluster
 from tests.integration.test_skeleton import MAX_TOKENS, PROMPT, expected
 
 
@@ -28,10 +28,7 @@ def cluster(
     model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalCluster]:
     env = {"EPD_ATTENTION_BACKEND": "flash-reference", "EPD_BLOCK_SIZE": "256"}
-    local = start_cluster(ClusterSpec(model_dir, redis_url=redis_server.url, free_ports=True, env=env,
-                                      log_dir=tmp_path_factory.mktemp("logs")))  # fmt: skip
-    yield local
-    local.stop()
+    yield from module_cluster(model_dir, redis_server, tmp_path_factory, env=env)
 
 
 def test_answers_equal_generate_and_state_is_published(
