@@ -204,7 +204,8 @@ class EngineProcess:
 
     def provide_embedding(self, mm_hash: str, tensor: torch.Tensor) -> None:
         # host shared memory: a CUDA tensor's IPC handle would need the parent to hold it until the child is done
-        self._send(_Embedding(mm_hash, _shareable(tensor)))
+        with contextlib.suppress(OSError):  # the child is gone: its requests fail through their sinks
+            self._send(_Embedding(mm_hash, _shareable(tensor)))
 
     def abort(self, request_id: str) -> concurrent.futures.Future:
         """Drop the request here at once and in the engine; the future holds whether the engine knew it."""
@@ -224,7 +225,12 @@ class EngineProcess:
                 future.set_exception(EngineGone(f"the engine process is gone ({self._failure or 'stopped'})"))
                 return future
             self._replies[token] = future
-        self._send(message(token))
+        try:
+            self._send(message(token))
+        except OSError as exc:  # the pipe broke: the child died after the check above
+            with self._lock:
+                self._replies.pop(token, None)
+            future.set_exception(EngineGone(f"the engine process is gone ({exc})"))
         return future
 
     def _send(self, message: Any) -> None:
@@ -237,21 +243,27 @@ class EngineProcess:
                 message = self._conn.recv()
             except (EOFError, OSError):
                 break
-            if isinstance(message, _Update):
-                self._update(message)
-            elif isinstance(message, _Reply):
-                with self._lock:
-                    future = self._replies.pop(message.token)
-                if message.error is not None:
-                    future.set_exception(message.error)
-                else:
-                    future.set_result(message.value)
-            elif isinstance(message, _Ready):
-                self.snapshot = message.snapshot
-                self._ready.set()
-            elif isinstance(message, _Failed):
-                self._failure = message.message
+            try:
+                self._take(message)
+            except Exception:  # a failing callback must not stop the reading: every other request waits on it
+                log.exception("engine process: handling %s failed", type(message).__name__)
         self._lost()
+
+    def _take(self, message: Any) -> None:
+        if isinstance(message, _Update):
+            self._update(message)
+        elif isinstance(message, _Reply):
+            with self._lock:
+                future = self._replies.pop(message.token)
+            if message.error is not None:
+                future.set_exception(message.error)
+            else:
+                future.set_result(message.value)
+        elif isinstance(message, _Ready):
+            self.snapshot = message.snapshot
+            self._ready.set()
+        elif isinstance(message, _Failed):
+            self._failure = message.message
 
     def _update(self, update: _Update) -> None:
         with self._lock:  # only for streams still here: the server pops each when it sends the last output
@@ -259,9 +271,6 @@ class EngineProcess:
         self.finished_at.update(finished)  # before the sinks: the server reads it on the last output
         self.snapshot = update.snapshot
         self.step_costs.coefficients = update.coefficients
-        if self.on_step is not None:
-            for timing in update.timings:
-                self.on_step(timing)
         for request_id, output in update.outputs:
             with self._lock:
                 sink = self._sinks.get(request_id)
@@ -269,6 +278,9 @@ class EngineProcess:
                     self._sinks.pop(request_id, None)
             if sink is not None:
                 sink(output)
+        if self.on_step is not None:  # after the sinks: a failing metrics callback costs metrics, not tokens
+            for timing in update.timings:
+                self.on_step(timing)
 
     def _lost(self) -> None:
         """The pipe closed: at stop, nothing to do; else the child died, and everything in flight fails."""
