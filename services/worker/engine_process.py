@@ -22,90 +22,28 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import gc
 import itertools
 import logging
 import multiprocessing
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
-import torch.multiprocessing  # noqa: F401  (registers the tensor reductions: tensors cross in shared memory)
 
 from services.worker.config import WorkerConfig
 from services.worker.engine.step_cost import DEFAULT_PRIOR, StepTiming
-from services.worker.engine_loop import EngineLoop, KVSnapshot, Sink
+from services.worker.engine_child import child_main
+from services.worker.engine_loop import KVSnapshot, Sink
+from services.worker.engine_pipe import Abort, Admit, Embedding, Encode, Failed, Ready, Reply, Stop, Update
 
 log = logging.getLogger(__name__)
-
-IDLE_SNAPSHOT_S = 0.05
-"""The child sends its KV snapshot at least this often while anything is running, changed or not."""
 
 
 class EngineGone(RuntimeError):
     """The engine process has exited (or was stopped): nothing more can run on this worker."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Admit:
-    token: int
-    request: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class _Embedding:
-    mm_hash: str
-    tensor: torch.Tensor
-
-
-@dataclasses.dataclass(frozen=True)
-class _Abort:
-    token: int
-    request_id: str
-
-
-@dataclasses.dataclass(frozen=True)
-class _Encode:
-    token: int
-    images: list
-
-
-@dataclasses.dataclass(frozen=True)
-class _Stop:
-    pass
-
-
-@dataclasses.dataclass(frozen=True)
-class _Ready:
-    snapshot: KVSnapshot
-
-
-@dataclasses.dataclass(frozen=True)
-class _Failed:
-    message: str
-
-
-@dataclasses.dataclass(frozen=True)
-class _Reply:
-    token: int
-    value: Any = None
-    error: BaseException | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Update:
-    """One engine-loop iteration's news: (request id, output or None for a failed request) in step order."""
-
-    outputs: list[tuple[str, Any]]
-    finished_at: dict[str, float]
-    snapshot: KVSnapshot
-    timings: list[StepTiming]
-    coefficients: tuple[float, ...]
 
 
 @dataclasses.dataclass
@@ -132,7 +70,7 @@ class EngineProcess:
         self._on_lost = on_lost or _exit_soon
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
-        self._process = context.Process(target=_child_main, args=(child_conn, config), name="epd-engine", daemon=True)
+        self._process = context.Process(target=child_main, args=(child_conn, config), name="epd-engine", daemon=True)
         self._child_conn = child_conn
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # sinks and replies: the event loop adds, the reader thread takes
@@ -179,7 +117,7 @@ class EngineProcess:
         self._stopping = True
         if self._process.is_alive():
             with contextlib.suppress(OSError):  # the child may be going already
-                self._send(_Stop())
+                self._send(Stop())
             self._process.join(timeout=10)
             if self._process.is_alive():
                 self._process.kill()
@@ -193,7 +131,7 @@ class EngineProcess:
         engine's ValueError."""
         with self._lock:
             self._sinks[request.request_id] = sink
-        future = self._call(lambda token: _Admit(token, request))
+        future = self._call(lambda token: Admit(token, request))
         future.add_done_callback(functools.partial(self._admitted, request.request_id))
         return future
 
@@ -205,17 +143,17 @@ class EngineProcess:
     def provide_embedding(self, mm_hash: str, tensor: torch.Tensor) -> None:
         # host shared memory: a CUDA tensor's IPC handle would need the parent to hold it until the child is done
         with contextlib.suppress(OSError):  # the child is gone: its requests fail through their sinks
-            self._send(_Embedding(mm_hash, _shareable(tensor)))
+            self._send(Embedding(mm_hash, _shareable(tensor)))
 
     def abort(self, request_id: str) -> concurrent.futures.Future:
         """Drop the request here at once and in the engine; the future holds whether the engine knew it."""
         with self._lock:
             self._sinks.pop(request_id, None)
-        return self._call(lambda token: _Abort(token, request_id))
+        return self._call(lambda token: Abort(token, request_id))
 
     def encode(self, images: list) -> EncodedEmbeddings:
         """The vision tower in the child over `images` (blocking: call it from a thread)."""
-        return EncodedEmbeddings(self._call(lambda token: _Encode(token, images)).result())
+        return EncodedEmbeddings(self._call(lambda token: Encode(token, images)).result())
 
     def _call(self, message: Callable[[int], Any]) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -250,22 +188,22 @@ class EngineProcess:
         self._lost()
 
     def _take(self, message: Any) -> None:
-        if isinstance(message, _Update):
+        if isinstance(message, Update):
             self._update(message)
-        elif isinstance(message, _Reply):
+        elif isinstance(message, Reply):
             with self._lock:
                 future = self._replies.pop(message.token)
             if message.error is not None:
                 future.set_exception(message.error)
             else:
                 future.set_result(message.value)
-        elif isinstance(message, _Ready):
+        elif isinstance(message, Ready):
             self.snapshot = message.snapshot
             self._ready.set()
-        elif isinstance(message, _Failed):
+        elif isinstance(message, Failed):
             self._failure = message.message
 
-    def _update(self, update: _Update) -> None:
+    def _update(self, update: Update) -> None:
         with self._lock:  # only for streams still here: the server pops each when it sends the last output
             finished = {k: v for k, v in update.finished_at.items() if k in self._sinks}
         self.finished_at.update(finished)  # before the sinks: the server reads it on the last output
@@ -310,97 +248,3 @@ def _shareable(tensor: torch.Tensor) -> torch.Tensor:
     shared = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
     shared.copy_(tensor)
     return shared
-
-
-class _Child:
-    """The child's side: commands from the pipe into an `EngineLoop`; its news back once per iteration."""
-
-    def __init__(self, conn: Connection, engine: Any, runner: Any, nice: int) -> None:
-        self._conn = conn
-        self._engine = engine
-        self._runner = runner
-        self._send_lock = threading.Lock()
-        self._outputs: list[tuple[str, Any]] = []  # engine thread only
-        self._timings: list[StepTiming] = []  # engine thread only
-        self._sent: tuple[Any, float] = (None, 0.0)  # the last snapshot state sent, and when
-        engine.on_step = self._timed
-        self.loop = EngineLoop(engine, nice=nice, after_iteration=self._publish)
-        self._encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-encode")
-
-    def run(self) -> None:
-        self.loop.start()
-        self._send(_Ready(self.loop.snapshot))
-        while True:
-            try:
-                message = self._conn.recv()
-            except (EOFError, OSError):
-                break
-            if isinstance(message, _Stop):
-                break
-            self._handle(message)
-        self.loop.stop()
-        self._encoder.shutdown(wait=False, cancel_futures=True)
-
-    def _handle(self, message: Any) -> None:
-        if isinstance(message, _Admit):
-            request_id = message.request.request_id
-            sink = functools.partial(self._collect, request_id)
-            self.loop.add_admitted(message.request, sink).add_done_callback(functools.partial(self._reply, message))
-        elif isinstance(message, _Embedding):
-            self.loop.provide_embedding(message.mm_hash, message.tensor)
-        elif isinstance(message, _Abort):
-            self.loop.abort(message.request_id).add_done_callback(functools.partial(self._reply, message))
-        elif isinstance(message, _Encode):
-            encoded = self._encoder.submit(lambda images: self._runner.encode(images).embeddings, message.images)
-            encoded.add_done_callback(functools.partial(self._reply, message))
-
-    def _timed(self, timing: StepTiming) -> None:
-        self._timings.append(timing)
-
-    def _collect(self, request_id: str, output: Any) -> None:
-        self._outputs.append((request_id, output))
-
-    def _reply(self, message: Any, future: concurrent.futures.Future) -> None:
-        error = future.exception()
-        self._send(_Reply(message.token, None if error is not None else future.result(), error))
-
-    def _publish(self) -> None:
-        """After each engine-loop iteration (engine thread): send what changed, or the snapshot now and then."""
-        snapshot = self.loop.snapshot
-        last_state, last_at = self._sent
-        quiet = not self._outputs and not self._timings and snapshot.state == last_state
-        if quiet and (snapshot.at - last_at < IDLE_SNAPSHOT_S or not self._engine.has_work()):
-            return
-        outputs, self._outputs = self._outputs, []
-        timings, self._timings = self._timings, []
-        finished, self.loop.finished_at = self.loop.finished_at, {}
-        self._sent = (snapshot.state, snapshot.at)
-        self._send(_Update(outputs, finished, snapshot, timings, self._engine.step_costs.coefficients))
-
-    def _send(self, message: Any) -> None:
-        with self._send_lock:
-            self._conn.send(message)
-
-
-def _child_main(conn: Connection, config: WorkerConfig) -> None:
-    """The child process: load the model and engine from ``config``, then serve the pipe until told to stop."""
-    from services.common.model_info import load_model_info
-    from services.common.service_main import dtype_of, setup_logging
-    from services.models.vision_runner import VisionRunner
-    from services.worker.engine.engine import Engine
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the worker drains, then stops us
-    setup_logging(config.log_level, "worker-engine", config.log_format)
-    if config.torch_threads > 0:
-        torch.set_num_threads(config.torch_threads)
-    try:
-        info = load_model_info(config.model)
-        model = info.adapter.load_model(device=config.device, dtype=dtype_of(config.dtype))
-        engine = Engine(info.adapter, model, config.engine_config())
-        child = _Child(conn, engine, VisionRunner(info.adapter, model), config.compute_nice)
-    except Exception as exc:  # reported to the parent, which names it in its own start-up error
-        log.exception("engine process start-up failed")
-        conn.send(_Failed(f"{type(exc).__name__}: {exc}"))
-        return
-    gc.freeze()  # the model and libraries never die: keep full collections off their objects
-    child.run()

@@ -17,21 +17,16 @@ import pytest
 from services.client import Client, user_request
 from services.launch.local import LocalCluster
 from tests import media_factory
-from tests.integration.conftest import RedisServer, model_folder, module_cluster
+from tests.integration.conftest import RedisServer, module_cluster
 from tests.integration.test_skeleton import MAX_TOKENS, PROMPT, expected
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return model_folder(tmp_path_factory.mktemp("models"), "qwen2-vl")
-
-
-@pytest.fixture(scope="module")
 def cluster(
-    model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+    tiny_model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalCluster]:
     env = {"EPD_ENGINE_PROCESS": "true", "EPD_HTTP_PORT": "0"}
-    yield from module_cluster(model_dir, redis_server, tmp_path_factory, encoders=0, env=env)
+    yield from module_cluster(tiny_model_dir, redis_server, tmp_path_factory, encoders=0, env=env)
 
 
 def engine_child(parent: int) -> int:
@@ -50,7 +45,9 @@ def engine_child(parent: int) -> int:
     raise AssertionError(f"worker {parent} has no engine process")
 
 
-def test_answers_equal_generate_with_the_tower_in_the_engine_process(cluster: LocalCluster, model_dir: Path) -> None:
+def test_answers_equal_generate_with_the_tower_in_the_engine_process(
+    cluster: LocalCluster, tiny_model_dir: Path
+) -> None:
     client = Client(cluster.address)
     try:
         for images, prompt in [
@@ -59,7 +56,7 @@ def test_answers_equal_generate_with_the_tower_in_the_engine_process(cluster: Lo
             ([], "Hello there"),
         ]:
             answer = client.generate(user_request(prompt, images, max_tokens=MAX_TOKENS))
-            assert answer.token_ids == expected(model_dir, images, prompt), prompt
+            assert answer.token_ids == expected(tiny_model_dir, images, prompt), prompt
     finally:
         client.close()
 
