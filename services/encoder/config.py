@@ -1,9 +1,12 @@
 """Encoder settings (flags / EPD_* variables); see services/common/config.py for the rules.
 
-Sizing: `preprocess_workers` processes decode images (0: one per core); at most `preprocess_queue`
-items wait for or run in them (0: four per worker), and at most `max_queued_encoder_tokens` tokens
-are admitted but not yet through the tower (0: four tower batches). Beyond either bound `Encode`
-answers RESOURCE_EXHAUSTED at once with a `retry-after-ms` hint.
+Sizing: a request is admitted while the expected wait for its items, at the encoder's measured
+throughput, stays within `encoder_max_queue_s` (and the request's deadline). `preprocess_workers`
+processes decode images (0: one per core); at most `preprocess_queue` items wait for or run in them
+(0: 32 per worker), and at most `max_queued_encoder_tokens` tokens are admitted but not yet through
+the tower (0: four tower batches): ceilings for memory, sized so the time budget binds first in an
+ordinary burst. Beyond any of these `Encode` answers RESOURCE_EXHAUSTED at once with a
+`retry-after-ms` hint.
 """
 
 from __future__ import annotations
@@ -30,9 +33,12 @@ class EncoderConfig(ServiceConfig):
     preprocess_cache_bytes: int = dataclasses.field(
         default=256 << 20, metadata={"help": "sampled, resized video frames kept (0: off)"}
     )
+    encoder_max_queue_s: float = dataclasses.field(
+        default=5.0, metadata={"help": "longest expected wait admitted for a request's items"}
+    )
     preprocess_workers: int = dataclasses.field(default=0, metadata={"help": "decode processes (0: cores)"})
     preprocess_queue: int = dataclasses.field(
-        default=0, metadata={"help": "items decoding or waiting to (0: 4 per worker)"}
+        default=0, metadata={"help": "items decoding or waiting to (0: 32 per worker)"}
     )
     max_queued_encoder_tokens: int = dataclasses.field(
         default=0, metadata={"help": "tokens admitted, not yet encoded (0: 4 batches)"}
@@ -60,6 +66,7 @@ class EncoderConfig(ServiceConfig):
             "heartbeat_interval_s",
             "max_video_frame_pixels",
             "video_decode_timeout_s",
+            "encoder_max_queue_s",
         ):
             require_positive(name, getattr(self, name))
         for name in (
@@ -94,7 +101,7 @@ class EncoderConfig(ServiceConfig):
     @property
     def queue(self) -> int:
         """Items allowed in the preprocessing stage (running plus waiting)."""
-        return self.preprocess_queue or 4 * self.workers
+        return self.preprocess_queue or 32 * self.workers
 
     @property
     def queued_token_cap(self) -> int:

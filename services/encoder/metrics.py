@@ -104,6 +104,7 @@ class EncoderMetrics:
             "epd_encoder_queued_tokens": ("queued_tokens", "encoder tokens admitted and not yet encoded"),
             "epd_preprocess_queue_depth": ("preprocess_outstanding", "items in the preprocessing pool"),
             "epd_encoder_batch_queue_depth": ("batch_queue_items", "items waiting for a tower call"),
+            "epd_encoder_expected_wait_ms": ("expected_wait_ms", "expected wait for the admitted work to finish"),
         }
         for name, (attribute, description) in gauges.items():
             self.meter.create_observable_gauge(name, callbacks=[_reader(snapshot, attribute)], description=description)

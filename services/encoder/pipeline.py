@@ -88,15 +88,15 @@ class Pipeline:
             cpu_threads, thread_name_prefix="encoder-prepare", initializer=functools.partial(lower_priority, nice)
         )
 
-    async def embed(self, items: Sequence[encoder_pb2.EncodeItem]) -> list[ItemOutcome]:
-        """Embeddings for `items` in order. Raises Overloaded (nothing started), MediaError, or
-        what encoding raised."""
+    async def embed(self, items: Sequence[encoder_pb2.EncodeItem], budget_s: float | None = None) -> list[ItemOutcome]:
+        """Embeddings for `items` in order, admitted when expected within `budget_s`. Raises Overloaded
+        (nothing started), MediaError, or what encoding raised."""
         hashes = [item.ref.mm_hash for item in items]
         new: dict[str, int] = {}  # mm_hash -> first index, for items nobody here is producing yet
         for index, mm_hash in enumerate(hashes):
             if mm_hash not in self._inflight and mm_hash not in new:
                 new[mm_hash] = index
-        ticket = self._parts.admission.admit([max(1, items[i].ref.num_tokens) for i in new.values()])
+        ticket = self._parts.admission.admit([max(1, items[i].ref.num_tokens) for i in new.values()], budget_s)
         loop = asyncio.get_running_loop()
         for slot, (mm_hash, index) in enumerate(new.items()):
             task = loop.create_task(self._produce(slot, index, items[index], ticket))
@@ -117,8 +117,8 @@ class Pipeline:
 
     async def _produce(self, slot: int, index: int, item: encoder_pb2.EncodeItem, ticket: Ticket) -> ItemOutcome:
         mm_hash = item.ref.mm_hash
-        start = time.perf_counter()
         parts = self._parts
+        encoded = False
         try:
             lookup = await self._off(self._io, parts.cache.get, mm_hash)
             if lookup.tensor is not None:
@@ -129,14 +129,14 @@ class Pipeline:
                         embedding = await self._encode(slot, index, item, ticket)
                     finally:
                         await self._off(self._io, parts.locks.release, mm_hash)
-                    parts.admission.observe_item_seconds(time.perf_counter() - start)
+                    encoded = True
                     return ItemOutcome(mm_hash, embedding, "encoded")
                 parts.metrics.peer_waits.add(1)
                 tensor = await self._wait_for_peer(mm_hash)
                 if tensor is not None:
                     return ItemOutcome(mm_hash, ItemEmbedding.from_host(tensor), "peer")
         finally:
-            ticket.finish(slot)
+            ticket.finish(slot, encoded)
 
     async def _encode(self, slot: int, index: int, item: encoder_pb2.EncodeItem, ticket: Ticket) -> ItemEmbedding:
         if item.ref.modality == "video":

@@ -5,7 +5,8 @@ cross-request batching) and `push` (gRPC or torch.distributed). This module maps
 gRPC statuses, and wires the parts, the registry heartbeat and the metrics together.
 
 Invariants: a bad item fails its request with INVALID_ARGUMENT naming the item; overload is
-RESOURCE_EXHAUSTED at once with `retry-after-ms` trailing metadata; a push that fails on both
+RESOURCE_EXHAUSTED at once with `retry-after-ms` and `epd-overload` (`wait` or `full`, see `load`)
+trailing metadata; a push that fails on both
 transports is UNAVAILABLE naming the worker; past the request's deadline it is DEADLINE_EXCEEDED.
 Nothing here waits without a bound; the server keeps serving after any single failure. On SIGTERM
 (`RunningEncoder.drain`) it leaves the registry and refuses new calls with UNAVAILABLE (the router fails
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import trace
 
-from services.common import grpc_server, tls
+from services.common import grpc_server, overload, tls
 from services.common.drain import Drain
 from services.common.embedding_cache import CacheSettings, EmbeddingCache
 from services.common.hashing import canonical_json
@@ -40,7 +41,7 @@ from services.common.tracing import tracer
 from services.encoder.batcher import Batcher, BatcherClosed
 from services.encoder.config import EncoderConfig
 from services.encoder.inflight_lock import InflightLocks
-from services.encoder.load import Admission, Overloaded
+from services.encoder.load import Admission, EncoderRates, Overloaded
 from services.encoder.metrics import EncoderMetrics
 from services.encoder.pipeline import Pipeline, PipelineParts
 from services.encoder.preprocess_cache import PreprocessCache
@@ -98,9 +99,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         start = time.perf_counter()
         budget = _budget(request, context)
         try:
-            outcomes = await asyncio.wait_for(self._pipeline.embed(request.items), budget)
+            outcomes = await asyncio.wait_for(self._pipeline.embed(request.items, budget), budget)
         except Overloaded as exc:
-            context.set_trailing_metadata((("retry-after-ms", str(exc.retry_after_ms)),))
+            context.set_trailing_metadata(overload.trailing(exc.retry_after_ms, exc.kind))
             await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded", str(exc))
         except MediaError as exc:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid", str(exc))
@@ -236,7 +237,7 @@ async def start_encoder(config: EncoderConfig) -> RunningEncoder:
     )
     batcher.start()
     await _warm_up(runner, batcher)
-    admission = Admission(pool, batcher, config.queued_token_cap)
+    admission = Admission(pool, batcher, config.queued_token_cap, config.encoder_max_queue_s, EncoderRates())
     locks = InflightLocks(config.redis_url, info.identity.revision, cache.key, ttl_s=config.inflight_lock_ttl_s)
     pipeline = Pipeline(
         PipelineParts(

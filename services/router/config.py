@@ -38,7 +38,7 @@ class RouterConfig(ServiceConfig):
         default=False, metadata={"help": "TESTS ONLY: let media URLs reach 127.0.0.1/::1 over http"}
     )
     admission_queue_size: int = dataclasses.field(default=64, metadata={"help": "requests waiting for KV"})
-    admission_max_wait_s: float = dataclasses.field(default=2.0, metadata={"help": "longest wait for KV"})
+    admission_max_wait_s: float = dataclasses.field(default=2.0, metadata={"help": "longest wait: KV, encoders"})
     retry_after_ms: int = dataclasses.field(default=500, metadata={"help": "hint sent with refusals"})
     prefix_affinity_weight: float = dataclasses.field(
         default=1.0, metadata={"help": "placement: a cached prompt block's worth in reserved blocks (0 = load only)"}

@@ -4,8 +4,13 @@ Each item goes to the encoder that owns its `mm_hash` by rendezvous hashing over
 encoders (so one image meets one encoder cluster-wide and is encoded once), with the admitted
 worker as destination. An encoder that is unreachable or fails is skipped and the items go to the
 next one; when none is left, the worker encodes them itself (co-located fallback: every worker also
-serves `epd.v1.Encoder`). Bad media (INVALID_ARGUMENT) fails the request at once; when every
-encoder is busy the client gets RESOURCE_EXHAUSTED with the encoders' `retry-after-ms`.
+serves `epd.v1.Encoder`). Bad media (INVALID_ARGUMENT) fails the request at once.
+
+Busy encoders: an encoder admits by expected wait and refuses with `epd-overload: wait` when its
+backlog passes its time budget; then the client gets RESOURCE_EXHAUSTED at once, with the encoders'
+`retry-after-ms` (overload is a fast refusal, never pushed onto a worker). A refusal by a count
+ceiling (`epd-overload: full`) is momentary: the request is held and tried again after the hint,
+for at most `hold_s` in all and never past its deadline, as requests wait for KV blocks.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.common import overload
 from services.common.embedding_cache import EmbeddingCache
 from services.common.placement_hash import group_by_encoder
 from services.common.rpc.epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
@@ -31,10 +37,13 @@ RETRYABLE = frozenset(
 
 @dataclass(frozen=True)
 class Failure:
-    """Why one place could not encode: a description, and the retry hint when it was only busy."""
+    """Why one place could not encode: a description, and when it was only busy the retry hint and
+    the kind of its overload (`overload.WAIT` or `overload.FULL`)."""
 
     text: str
-    retry_after_ms: str | None = None
+    retry_after_ms: int | None = None
+    kind: str = ""
+    busy: str = ""  # the encoder's own words for its overload (no address: the client may see it)
 
 
 class EncodeDispatcher:
@@ -45,8 +54,10 @@ class EncodeDispatcher:
         channel: Callable[[str], grpc.aio.Channel],
         static_encoders: list[str],
         on_lookup: Callable[[int, int], None] = lambda queries, hits: None,
+        hold_s: float = 2.0,
     ) -> None:
         self._on_lookup = on_lookup
+        self._hold_s = hold_s
         self._view = view
         self._cache = cache
         self._channel = channel
@@ -92,20 +103,27 @@ class EncodeDispatcher:
         """Encode on the items' owner (rendezvous hashing: one image meets one encoder cluster-wide),
         failing over to the other encoders, then to the worker itself (co-located encoding)."""
         request = encoder_pb2.EncodeRequest(request_id=request_id, items=items, destination=worker)
-        failures: list[Failure] = []
-        for encoder in list(dict.fromkeys([owner, *encoders])) if encoders else []:
-            failure = await self._try(encoder, request, deadline)
-            if failure is None:
-                return
-            failures.append(failure)
-        hints = [f.retry_after_ms for f in failures]
-        if failures and all(hint is not None for hint in hints):
-            # overload is refused, not pushed onto the worker: decode latency stays flat
-            raise RequestError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                "every encoder is busy; retry later",
-                (("retry-after-ms", str(hints[-1])),),
-            )
+        places = list(dict.fromkeys([owner, *encoders])) if encoders else []
+        held_until = min(deadline, time.monotonic() + self._hold_s)
+        while True:
+            failures: list[Failure] = []
+            for encoder in places:
+                failure = await self._try(encoder, request, deadline)
+                if failure is None:
+                    return
+                failures.append(failure)
+            hints = [f.retry_after_ms for f in failures if f.retry_after_ms is not None]
+            if not failures or len(hints) < len(failures):
+                break
+            # every encoder is busy: overload is refused, not pushed onto the worker (decode stays flat)
+            retry_s = min(hints) / 1000
+            if any(f.kind != overload.FULL for f in failures) or time.monotonic() + retry_s > held_until:
+                raise RequestError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"every encoder is busy ({failures[0].busy}); retry later",
+                    ((overload.RETRY_AFTER_KEY, str(max(hints))),),
+                )
+            await asyncio.sleep(retry_s)  # a count ceiling: momentary, so the request waits its turn
         failure = await self._try(worker, request, deadline)
         if failure is None:
             return
@@ -128,8 +146,8 @@ class EncodeDispatcher:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise invalid(exc.details()) from exc
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                hint = dict(exc.trailing_metadata() or ()).get("retry-after-ms", "500")
-                return Failure(f"{address}: busy", hint)
+                retry_ms, kind = overload.read(exc.trailing_metadata())
+                return Failure(f"{address}: busy", retry_ms, kind, exc.details() or "busy")
             if exc.code() not in RETRYABLE:
                 raise RequestError(exc.code(), f"encoder {address}: {exc.details()}") from exc
             return Failure(f"{address}: {exc.code().name}")

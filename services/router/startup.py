@@ -70,6 +70,7 @@ async def start_router(config: RouterConfig) -> Callable[[], Awaitable[None]]:
             lambda a: servicer.channel(a),
             config.encoder_addrs,
             on_lookup=lambda queries, hits: _count_lookup(metrics, queries, hits),
+            hold_s=config.admission_max_wait_s,
         ),
         metrics,
         dialer,

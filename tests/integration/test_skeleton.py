@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,6 +143,22 @@ def test_same_image_twice_skips_encoder(cluster: Cluster) -> None:
     third = cluster.client.generate(user_request(PROMPT, [other], max_tokens=MAX_TOKENS))
     assert cluster.encoded_items() == before + 1
     assert third.token_ids == expected(cluster.model_dir, [other])
+
+
+def test_a_burst_of_fresh_images_is_served_not_refused(cluster: Cluster) -> None:
+    """32 concurrent requests, each with an image nobody has seen, on the default settings: the
+    encoder admits by expected wait (here well under its budget), so every one is served, none
+    refused for a full queue (before, a 2-core encoder took 8 items and refused the rest)."""
+    images = [media_factory.jpeg(448, 448, seed=900 + i) for i in range(32)]
+    before = cluster.encoded_items()
+    with ThreadPoolExecutor(32) as threads:
+        answers = list(
+            threads.map(lambda data: cluster.client.generate(user_request(PROMPT, [data], max_tokens=4)), images)
+        )
+    assert all(len(answer.token_ids) == 4 for answer in answers)
+    assert cluster.encoded_items() - before == 32
+    for data, answer in list(zip(images, answers, strict=True))[:2]:
+        assert answer.token_ids == expected(cluster.model_dir, [data])[:4]
 
 
 def test_redis_outage_is_a_cache_miss(cluster: Cluster, redis_server: RedisServer) -> None:

@@ -1,0 +1,95 @@
+"""The router's encode dispatch against real gRPC encoders that refuse: a momentary refusal (a count
+ceiling) is held and retried, a backlog past the encoder's budget is refused at once, a hold never
+outlasts its bound. The encoders are servicers in this process that answer as a busy encoder does."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from services.common import overload
+from services.common.embedding_cache import CacheSettings, EmbeddingCache
+from services.common.grpc_server import ServiceBinding, start_server
+from services.common.registry import Registry
+from services.common.rpc.epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
+from services.router.cluster_view import ClusterView
+from services.router.encode_dispatch import EncodeDispatcher
+from services.router.errors import RequestError
+from tests.redis_server import RedisServer
+
+
+class BusyEncoder(encoder_pb2_grpc.EncoderServicer):
+    """Refuses the first `refusals` calls with `kind`, then encodes (answers ok)."""
+
+    def __init__(self, refusals: int, kind: str, retry_after_ms: int = 20) -> None:
+        self.refusals = refusals
+        self.kind = kind
+        self.retry_after_ms = retry_after_ms
+        self.calls = 0
+
+    async def Encode(self, request, context):  # noqa: N802 (gRPC's name)
+        self.calls += 1
+        if self.calls <= self.refusals:
+            context.set_trailing_metadata(overload.trailing(self.retry_after_ms, self.kind))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"busy ({self.kind})")
+        return encoder_pb2.EncodeResponse(encoded=len(request.items))
+
+
+@pytest.fixture(scope="module")
+def cache(redis_server: RedisServer) -> Iterator[EmbeddingCache]:
+    cache = EmbeddingCache(CacheSettings(redis_server.url, "dispatch-test", max_bytes=0))
+    yield cache
+    cache.close()
+
+
+def _dispatch(cache: EmbeddingCache, redis_url: str, encoder: BusyEncoder, hold_s: float) -> tuple[float, int]:
+    """One request with one fresh item through a dispatcher whose only encoder is `encoder`;
+    (seconds it took, the encoder's calls). Raises what the dispatcher raised."""
+
+    async def go() -> float:
+        binding = ServiceBinding(encoder_pb2_grpc.add_EncoderServicer_to_server, encoder, "epd.v1.Encoder")
+        server = await start_server("127.0.0.1", 0, [binding])
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+        view = ClusterView(Registry(redis_url), "dispatch-test")  # never started: the static list serves
+        dispatcher = EncodeDispatcher(view, cache, lambda _: channel, [f"127.0.0.1:{server.port}"], hold_s=hold_s)
+        ref = common_pb2.MediaRef(mm_hash=uuid.uuid4().hex, num_tokens=4)
+        try:
+            start = time.monotonic()
+            await dispatcher.encode("r1", [ref], [b"image"], "127.0.0.1:1", time.monotonic() + 60)
+            return time.monotonic() - start
+        finally:
+            await channel.close()
+            await server.stop()
+
+    seconds = asyncio.run(go())
+    return seconds, encoder.calls
+
+
+def test_a_full_encoder_holds_the_request_until_it_has_room(cache: EmbeddingCache, redis_server: RedisServer) -> None:
+    encoder = BusyEncoder(refusals=3, kind=overload.FULL, retry_after_ms=20)
+    seconds, calls = _dispatch(cache, redis_server.url, encoder, hold_s=60)
+    assert calls == 4  # three refusals waited out, then encoded
+    assert seconds >= 0.06  # it waited each hint before trying again
+
+
+def test_a_backlog_past_the_budget_is_refused_at_once(cache: EmbeddingCache, redis_server: RedisServer) -> None:
+    encoder = BusyEncoder(refusals=100, kind=overload.WAIT, retry_after_ms=3000)
+    with pytest.raises(RequestError) as info:
+        _dispatch(cache, redis_server.url, encoder, hold_s=60)
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "every encoder is busy (busy (wait))" in str(info.value)
+    assert encoder.calls == 1  # no hold: refused on the first answer
+    assert dict(info.value.metadata)["retry-after-ms"] == "3000"
+
+
+def test_a_hold_ends_at_its_bound(cache: EmbeddingCache, redis_server: RedisServer) -> None:
+    encoder = BusyEncoder(refusals=1000, kind=overload.FULL, retry_after_ms=50)
+    with pytest.raises(RequestError) as info:
+        _dispatch(cache, redis_server.url, encoder, hold_s=0.3)
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert 1 <= encoder.calls <= 7  # held at most 0.3 s at 50 ms or more a try, then refused
