@@ -25,7 +25,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -51,11 +51,13 @@ _PEER_POLL_S = (0.005, 0.1)  # first and longest wait between looks at another e
 
 @dataclass(frozen=True)
 class ItemOutcome:
-    """An item's embedding and where it came from: encoded | cache | joined | peer."""
+    """An item's embedding and where it came from: encoded | cache | joined | peer; `stages` is where an
+    encoded item's time went (`EncodeStages`' fields, seconds; empty otherwise)."""
 
     mm_hash: str
     embedding: ItemEmbedding
     source: str
+    stages: dict[str, float] = field(default_factory=dict)
 
     def for_device(self, device: torch.device) -> Embedding:
         """The embedding as a transport sending from `device` takes it (see `ItemEmbedding.for_device`)."""
@@ -125,12 +127,13 @@ class Pipeline:
                 return ItemOutcome(mm_hash, ItemEmbedding.from_host(lookup.tensor), "cache")
             while True:
                 if await self._off(self._io, parts.locks.acquire, mm_hash):
+                    stages: dict[str, float] = {}
                     try:
-                        embedding = await self._encode(slot, index, item, ticket)
+                        embedding = await self._encode(slot, index, item, ticket, stages)
                     finally:
                         await self._off(self._io, parts.locks.release, mm_hash)
                     encoded = True
-                    return ItemOutcome(mm_hash, embedding, "encoded")
+                    return ItemOutcome(mm_hash, embedding, "encoded", stages)
                 parts.metrics.peer_waits.add(1)
                 tensor = await self._wait_for_peer(mm_hash)
                 if tensor is not None:
@@ -138,16 +141,21 @@ class Pipeline:
         finally:
             ticket.finish(slot, encoded)
 
-    async def _encode(self, slot: int, index: int, item: encoder_pb2.EncodeItem, ticket: Ticket) -> ItemEmbedding:
+    async def _encode(
+        self, slot: int, index: int, item: encoder_pb2.EncodeItem, ticket: Ticket, times: dict[str, float]
+    ) -> ItemEmbedding:
+        """Decode, prepare, tower, cache write; `times` gets each stage's seconds (`EncodeStages`' names)."""
         if item.ref.modality == "video":
-            return await self._encode_video(slot, index, item, ticket)
+            return await self._encode_video(slot, index, item, ticket, times)
         parts = self._parts
         stages = StageSpans()  # encode.preprocess, encode.tower under the Encode call's span
         decoded = await asyncio.wrap_future(ticket.use_slot(slot).submit(item.data, parts.settings, index=index))
         image = decoded.image()
         start = time.perf_counter()
         inputs = await self._off(self._cpu, parts.runner.prepare, image)
-        parts.metrics.preprocess_seconds.record(decoded.decode_s + time.perf_counter() - start)
+        prepared = time.perf_counter()
+        times.update(decode_queue_s=decoded.queue_s, decode_s=decoded.decode_s, prepare_s=prepared - start)
+        parts.metrics.preprocess_seconds.record(decoded.decode_s + prepared - start)
         tokens = parts.adapter.image_tokens(image.width, image.height).num_tokens
         stages.mark("encode.preprocess", {"epd.decode_s": decoded.decode_s, "epd.encoder_tokens": tokens})
         if item.ref.num_tokens and item.ref.num_tokens != tokens:
@@ -157,12 +165,22 @@ class Pipeline:
                 MediaReason.CORRUPT,
                 index=index,
             )
+        tower_from = time.perf_counter()
         embedding: ItemEmbedding = await parts.batcher.submit(BatchItem(item.ref.mm_hash, tokens, inputs))
         stages.mark("encode.tower", {"epd.encoder_tokens": tokens})  # waiting for a tower call, and the call
-        await self._off(self._io, self._cache_write, item.ref.mm_hash, embedding)
+        await self._written(item.ref.mm_hash, embedding, times, tower_from)
         return embedding
 
-    async def _encode_video(self, slot: int, index: int, item: encoder_pb2.EncodeItem, ticket: Ticket) -> ItemEmbedding:
+    async def _written(self, mm_hash: str, embedding: ItemEmbedding, times: dict[str, float], since: float) -> None:
+        """Write the cache; `times` gets the tower's seconds (since `since`) and the write's."""
+        written_from = time.perf_counter()
+        times["tower_s"] = written_from - since
+        await self._off(self._io, self._cache_write, mm_hash, embedding)
+        times["cache_write_s"] = time.perf_counter() - written_from
+
+    async def _encode_video(
+        self, slot: int, index: int, item: encoder_pb2.EncodeItem, ticket: Ticket, times: dict[str, float]
+    ) -> ItemEmbedding:
         parts = self._parts
         if parts.video is None or not supports_video(parts.adapter):
             raise MediaError("this encoder's model takes no video", MediaReason.FORMAT, index=index, media="video")
@@ -176,14 +194,16 @@ class Pipeline:
             lambda fn, *args: self._off(self._cpu, fn, *args),
         )
         parts.metrics.preprocess_seconds.record(prepared.seconds)
+        times["prepare_s"] = prepared.seconds  # decode or a preprocessing-cache hit, and the frames' preparation
         video = {"epd.modality": "video", "epd.encoder_tokens": item.ref.num_tokens}
         stages.mark(
             "encode.preprocess",
             {**video, "epd.frames": len(item.ref.frame_indices), "epd.frames_from": prepared.source},
         )
+        tower_from = time.perf_counter()
         embedding = await encode_video(parts.batcher, item.ref.mm_hash, prepared.inputs, item.ref.num_tokens)
         stages.mark("encode.tower", video)  # waiting for the tower calls of its chunks, and the calls
-        await self._off(self._io, self._cache_write, item.ref.mm_hash, embedding)
+        await self._written(item.ref.mm_hash, embedding, times, tower_from)
         return embedding
 
     def _cache_write(self, mm_hash: str, embedding: ItemEmbedding) -> None:

@@ -34,7 +34,7 @@ from services.common.media_types import VideoLimits
 from services.common.model_info import load_model_info
 from services.common.priority import lower_priority
 from services.common.registry import Heartbeat, Registry
-from services.common.rpc.epd.v1 import encoder_pb2, encoder_pb2_grpc
+from services.common.rpc.epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 from services.common.service_main import dtype_of
 from services.common.telemetry import Telemetry
 from services.common.tracing import tracer
@@ -114,8 +114,10 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             )
         except BatcherClosed as exc:
             await self._fail(context, grpc.StatusCode.UNAVAILABLE, "shutdown", str(exc))
+        stages = _slowest([o.stages for o in outcomes])
         if request.destination and outcomes:
-            remaining = budget - (time.perf_counter() - start)
+            push_from = time.perf_counter()
+            remaining = budget - (push_from - start)
             timeout = max(0.1, min(self._transfer_timeout_s, remaining))
             try:
                 device = self._pusher.device  # the GPU for dist over NCCL: fresh embeddings go from there
@@ -132,10 +134,20 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                     )
             except PushError as exc:
                 await self._fail(context, grpc.StatusCode.UNAVAILABLE, "push", str(exc))
+            stages.push_s = time.perf_counter() - push_from
         encoded = sum(1 for o in outcomes if o.source == "encoded")
         return encoder_pb2.EncodeResponse(
-            encoded=encoded, cached=len(outcomes) - encoded, encode_s=time.perf_counter() - start
+            encoded=encoded, cached=len(outcomes) - encoded, encode_s=time.perf_counter() - start, stages=stages
         )
+
+
+def _slowest(times: list[dict[str, float]]) -> common_pb2.EncodeStages:
+    """Per stage the slowest item's seconds (the items run side by side)."""
+    stages = common_pb2.EncodeStages()
+    for item in times:
+        for name, seconds in item.items():
+            setattr(stages, name, max(getattr(stages, name), seconds))
+    return stages
 
 
 def _budget(request: encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext) -> float:

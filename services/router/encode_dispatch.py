@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -46,6 +46,20 @@ class Failure:
     busy: str = ""  # the encoder's own words for its overload (no address: the client may see it)
 
 
+@dataclass
+class EncodeReport:
+    """Where a request's encoding went: seconds in all (0 when every item was cached) and per stage."""
+
+    seconds: float = 0.0
+    stages: common_pb2.EncodeStages = field(default_factory=common_pb2.EncodeStages)
+
+    def add(self, stages: common_pb2.EncodeStages) -> None:
+        """One encoder's stages: per stage the slowest (the groups run side by side)."""
+        for descriptor in stages.DESCRIPTOR.fields:
+            name = descriptor.name
+            setattr(self.stages, name, max(getattr(self.stages, name), getattr(stages, name)))
+
+
 class EncodeDispatcher:
     def __init__(
         self,
@@ -68,10 +82,11 @@ class EncodeDispatcher:
 
     async def encode(
         self, request_id: str, refs: list[common_pb2.MediaRef], data: list[bytes], worker: str, deadline: float
-    ) -> float:
-        """Make every item's embedding reach `worker`; returns seconds spent (0 when all cached)."""
+    ) -> EncodeReport:
+        """Make every item's embedding reach `worker`; returns where the time went."""
+        report = EncodeReport()
         if not refs:
-            return 0.0
+            return report
         start = time.perf_counter()
         cached = await asyncio.to_thread(self._cache.contains, [r.mm_hash for r in refs])
         self._on_lookup(len(refs), sum(cached))
@@ -81,15 +96,18 @@ class EncodeDispatcher:
             if not hit
         ]
         if not items:
-            return 0.0
+            return report
         encoders = self._encoders()
         groups = group_by_encoder([item.ref.mm_hash for item in items], encoders) if encoders else {worker: []}
         calls = [
-            self._encode_group(request_id, [items[i] for i in indexes] or items, owner, encoders, worker, deadline)
+            self._encode_group(
+                request_id, [items[i] for i in indexes] or items, owner, encoders, worker, deadline, report
+            )
             for owner, indexes in groups.items()
         ]
         await asyncio.gather(*calls)
-        return time.perf_counter() - start
+        report.seconds = time.perf_counter() - start
+        return report
 
     async def _encode_group(
         self,
@@ -99,17 +117,21 @@ class EncodeDispatcher:
         encoders: list[str],
         worker: str,
         deadline: float,
+        report: EncodeReport,
     ) -> None:
         """Encode on the items' owner (rendezvous hashing: one image meets one encoder cluster-wide),
         failing over to the other encoders, then to the worker itself (co-located encoding)."""
         request = encoder_pb2.EncodeRequest(request_id=request_id, items=items, destination=worker)
         places = list(dict.fromkeys([owner, *encoders])) if encoders else []
-        held_until = min(deadline, time.monotonic() + self._hold_s)
+        held_from = time.monotonic()
+        held_until = min(deadline, held_from + self._hold_s)
         while True:
+            held_s = time.monotonic() - held_from  # 0 on the first round
             failures: list[Failure] = []
             for encoder in places:
-                failure = await self._try(encoder, request, deadline)
+                failure = await self._try(encoder, request, deadline, report)
                 if failure is None:
+                    report.stages.held_s = max(report.stages.held_s, held_s)
                     return
                 failures.append(failure)
             hints = [f.retry_after_ms for f in failures if f.retry_after_ms is not None]
@@ -124,14 +146,16 @@ class EncodeDispatcher:
                     ((overload.RETRY_AFTER_KEY, str(max(hints))),),
                 )
             await asyncio.sleep(retry_s)  # a count ceiling: momentary, so the request waits its turn
-        failure = await self._try(worker, request, deadline)
+        failure = await self._try(worker, request, deadline, report)
         if failure is None:
             return
         failures.append(failure)
         summary = "; ".join(f.text for f in failures)
         raise unavailable(f"no encoder could encode the request's images ({summary})")
 
-    async def _try(self, address: str, request: encoder_pb2.EncodeRequest, deadline: float) -> Failure | None:
+    async def _try(
+        self, address: str, request: encoder_pb2.EncodeRequest, deadline: float, report: EncodeReport
+    ) -> Failure | None:
         """One Encode call; None on success, the failure when another place may still succeed.
         Bad media and non-retryable statuses raise: no other encoder would do better."""
         remaining = deadline - time.monotonic()
@@ -139,8 +163,9 @@ class EncodeDispatcher:
             return Failure(f"{address}: deadline")
         request.deadline_s = remaining
         try:
-            await encoder_pb2_grpc.EncoderStub(self._channel(address)).Encode(request, timeout=remaining)
+            reply = await encoder_pb2_grpc.EncoderStub(self._channel(address)).Encode(request, timeout=remaining)
             note_encoder(address)
+            report.add(reply.stages)
             return None
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:

@@ -6,7 +6,8 @@ binds it for logs and for the metadata of every call made for the request, start
 `llm_request` span under the client's trace context and makes it current; parts of the path note
 what they learn through `current()` (the worker, the encoders, the final message). `finish` ends
 the span with the `gen_ai.*` usage and latency attributes (vLLM's names) and logs exactly one line,
-`request finished`, with status, tokens, timings, worker and encoders. No prompt or output text is
+`request finished`, with status, tokens, timings (an image request's by stage, `stage_times`), worker and
+encoders. No prompt or output text is
 put in the span or the line.
 """
 
@@ -24,7 +25,7 @@ from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
 
 from services.common.logs import bind_request_id, current_request_id, fields
-from services.common.rpc.epd.v1 import generation_pb2
+from services.common.rpc.epd.v1 import common_pb2, generation_pb2
 from services.common.tracing import span_attributes, tracer
 
 log = logging.getLogger("epd.requests")
@@ -80,8 +81,10 @@ class RequestRecord:
             "cached_tokens": usage.cached_tokens if usage else None,
             "image_tokens": usage.image_tokens if usage else None,
             "migrations": usage.migrations if usage else None,
+            "intake_s": round(timing.intake_s, 6) if timing else None,
             "queue_s": round(timing.queue_s, 6) if timing else None,
             "encode_s": round(timing.encode_s, 6) if timing else None,
+            **(stage_times(timing) if timing else {}),
             "first_token_s": round(timing.first_token_s, 6) if timing else None,
             "total_s": round(total_s, 6),
             "worker": self.worker,
@@ -106,6 +109,7 @@ class RequestRecord:
                         "epd.refusal.reason": refusal or None,
                         "epd.cached_tokens": line["cached_tokens"],
                         "epd.migrations": line["migrations"],
+                        **{f"epd.stage.{name}": line.get(name) for name in STAGES},
                     }
                 )
             )
@@ -113,6 +117,34 @@ class RequestRecord:
                 self.span.set_status(trace.Status(trace.StatusCode.ERROR, error or status))
         self.span.end()
         log.info("request finished", extra=fields(**{k: v for k, v in line.items() if v not in (None, "")}))
+
+
+STAGES = (
+    "intake_s",
+    "queue_s",
+    "encode_held_s",
+    "encode_decode_queue_s",
+    "encode_decode_s",
+    "encode_prepare_s",
+    "encode_tower_s",
+    "encode_cache_write_s",
+    "encode_push_s",
+    "embedding_wait_s",
+    "prefill_s",
+)
+
+
+def stage_times(timing: generation_pb2.Timing) -> dict[str, float]:
+    """An image request's time by stage, for its line and span: the encoder's stages (`encode_*`), the wait
+    at the worker for its last embedding and the prefill (from the worker's admission to its first token,
+    that wait included); each stage only when it took time (a text request has none of the encoder's)."""
+    stages = {f"encode_{field.name}": getattr(timing.encode_stages, field.name) for field in _ENCODE_FIELDS}
+    stages["embedding_wait_s"] = timing.embedding_wait_s
+    stages["prefill_s"] = timing.prefill_s
+    return {name: round(seconds, 6) for name, seconds in stages.items() if seconds > 0}
+
+
+_ENCODE_FIELDS = common_pb2.EncodeStages.DESCRIPTOR.fields
 
 
 def current() -> RequestRecord | None:

@@ -189,6 +189,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ):
         """Admit, encode, stream; a worker failing mid-stream: continue on another (router/migration.py).
         The tenant is folded into the prefix salt and the items' keys here, before anything downstream."""
+        intake_from = time.perf_counter()
         with tracer().start_as_current_span("intake") as intake:  # parse, fetch, count; no text in the span
             prepared = await self._prep.prepare(request)
             intake.set_attribute("epd.items", len(prepared.accounted.refs))
@@ -208,7 +209,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             embedding_timeout_s=min(timeout, self._config.encode_timeout_s),
         )
         choices = Choices(self._info.adapter.tokenizer, list(sampling.stop), sampling.n, self._token_texts)
-        state = StreamState(choices, Progress(sampling.n), start)
+        state = StreamState(choices, Progress(sampling.n), start, intake_s=time.perf_counter() - intake_from)
         migrations = Migrations(
             self._config.migration_limit, lambda reason: self._metrics.migrations.add(1, {"reason": reason})
         )
@@ -270,9 +271,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def _record_encode(self, task: asyncio.Task, state: StreamState) -> None:
         """Encode time of the items sent to encoders (the task may end after the last token)."""
-        if not task.cancelled() and task.exception() is None and task.result() > 0:
-            self._metrics.encode_seconds.record(task.result())
-            state.encode_s += task.result()
+        if not task.cancelled() and task.exception() is None and task.result().seconds > 0:
+            self._metrics.encode_seconds.record(task.result().seconds)
+            state.encode_s += task.result().seconds
+            state.encode_stages.MergeFrom(task.result().stages)  # a migration's encode: the later one's stages
 
     async def _stream(
         self, call, worker: str, encode: asyncio.Task, vanished: asyncio.Event, state: StreamState, end: StreamEnd

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from services.common.rpc.epd.v1 import generation_pb2, worker_pb2
+from services.common.rpc.epd.v1 import common_pb2, generation_pb2, worker_pb2
 from services.router.accounting import Accounted
 from services.router.metrics import RouterMetrics
 from services.router.migration import Progress
@@ -23,10 +23,13 @@ class StreamState:
     choices: Choices
     progress: Progress
     start: float  # perf_counter at the request's arrival
+    intake_s: float = 0.0
     queue_s: float = 0.0
     encode_s: float = 0.0
     first_token_s: float = 0.0
     prefill_s: float = 0.0
+    embedding_wait_s: float = 0.0
+    encode_stages: common_pb2.EncodeStages = field(default_factory=lambda: common_pb2.EncodeStages())
     cached: int = 0
     _last: float = field(default=0.0, repr=False)
 
@@ -35,6 +38,7 @@ class StreamState:
         now = time.perf_counter()
         if not self.first_token_s:
             self.first_token_s, self.prefill_s, self._last = now - self.start, response.prefill_s, now
+            self.embedding_wait_s = response.encode_wait_s
             metrics.ttft_seconds.record(self.first_token_s)
         elif response.index == 0:  # inter-token latency of choice 0 (the others arrive alongside)
             metrics.itl_seconds.record(now - self._last)
@@ -62,6 +66,9 @@ class StreamState:
             prefill_s=self.prefill_s,
             first_token_s=self.first_token_s,
             total_s=time.perf_counter() - self.start,
+            intake_s=self.intake_s,
+            embedding_wait_s=self.embedding_wait_s,
+            encode_stages=self.encode_stages,
         )
         ends = self.choices.ends()
         return generation_pb2.Final(

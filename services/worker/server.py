@@ -137,10 +137,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         stages = StageSpans()  # worker.queue, worker.prefill, worker.decode under the caller's span
         outputs: asyncio.Queue = asyncio.Queue()
         admitted_at = await self._admit(request, context, outputs)
+        admitted_from = time.perf_counter()
         stages.mark("worker.queue", {"epd.prompt_tokens": len(request.token_ids), "epd.items": len(request.media)})
         self._streams[request.request_id] = outputs
         timeout = request.embedding_timeout_s or self._config.embedding_timeout_s
         fetchers = [asyncio.create_task(self._fetch(m.mm_hash, timeout)) for m in request.media]
+        embedded = _LastDone(fetchers)  # when the last embedding arrived: the first response's encode_wait_s
         watcher = asyncio.create_task(self._watch_fetches(fetchers, outputs))
         finished = False
         first_token = True
@@ -172,7 +174,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     stages.mark("worker.decode", {"gen_ai.usage.completion_tokens": generated})
                 freed_at = self._loop.finished_at.pop(request.request_id, 0.0) if finished else 0.0
                 for group in by_choice(outs):
-                    yield response(group, time.perf_counter() - start, freed_at if group[-1] is last else 0.0)
+                    message = response(group, time.perf_counter() - start, freed_at if group[-1] is last else 0.0)
+                    message.encode_wait_s = embedded.seconds_after(admitted_from)
+                    yield message
                 if finished:
                     return
         finally:
@@ -260,3 +264,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except EngineGone:
             found = False  # its engine process is gone, and the request with it
         return worker_pb2.AbortReply(found=found)
+
+
+class _LastDone:
+    """The perf_counter time at which the last of `tasks` finished (their done callbacks set it)."""
+
+    def __init__(self, tasks: list[asyncio.Task]) -> None:
+        self._left = len(tasks)
+        self._at = 0.0
+        for task in tasks:
+            task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._left -= 1
+        self._at = max(self._at, time.perf_counter())
+
+    def seconds_after(self, since: float) -> float:
+        """Seconds from `since` until the last task finished; 0 while any is running or when there were none."""
+        return max(0.0, self._at - since) if self._left == 0 and self._at else 0.0

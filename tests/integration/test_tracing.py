@@ -137,6 +137,8 @@ def test_one_trace_spans_router_encoder_and_worker(traced: Traced) -> None:
     assert prefill.service == "epd-worker"
     assert prefill.attributes["gen_ai.usage.prompt_tokens"] == root.attributes["gen_ai.usage.prompt_tokens"]
     assert one(spans, "worker.decode").attributes["gen_ai.usage.completion_tokens"] == 6
+    for stage in ("intake_s", "encode_decode_s", "encode_tower_s", "encode_push_s", "prefill_s"):
+        assert root.attributes[f"epd.stage.{stage}"] > 0, stage  # each stage's time on the request's span
     assert_no_text(spans)
 
 
@@ -271,4 +273,15 @@ def test_a_finished_line_names_worker_encoder_tokens_and_timings(traced: Traced)
     assert line["completion_tokens"] == usage.completion_tokens
     assert line["worker"] == worker.address and line["encoders"] == encoder.address
     assert line["total_s"] >= line["first_token_s"] > 0 and "queue_s" in line and "encode_s" in line
+    # the fresh image's stages: each measured (> 0) by the service that ran it, none longer than the request
+    stages = ("intake_s", "encode_decode_s", "encode_prepare_s", "encode_tower_s", "encode_cache_write_s")
+    for stage in (*stages, "encode_push_s", "embedding_wait_s", "prefill_s"):
+        assert 0 < line[stage] <= line["total_s"], (stage, line)
+    assert line["encode_decode_s"] + line["encode_prepare_s"] + line["encode_tower_s"] <= line["encode_s"]
+    assert line["embedding_wait_s"] <= line["prefill_s"]  # the prefill waited for the embedding, then ran
+    final_stages = responses[-1].final.timing.encode_stages  # the client's Final carries the same figures
+    assert final_stages.tower_s == pytest.approx(line["encode_tower_s"], abs=1e-5)
+    generate(traced.cluster.address, user_request(PROMPT, [image], max_tokens=3), [("x-request-id", "req-ok-2")])
+    [again] = finished_lines(router.log_path, "req-ok-2")
+    assert not [name for name in again if name.startswith("encode_") and name != "encode_s"]  # a hit: no encoder
     assert PROMPT not in router.log_path.read_text()

@@ -77,3 +77,21 @@ class TokenLogprob(_message.Message):
     token: str
     top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., token: _Optional[str] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class EncodeStages(_message.Message):
+    __slots__ = ("held_s", "decode_queue_s", "decode_s", "prepare_s", "tower_s", "cache_write_s", "push_s")
+    HELD_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_S_FIELD_NUMBER: _ClassVar[int]
+    TOWER_S_FIELD_NUMBER: _ClassVar[int]
+    CACHE_WRITE_S_FIELD_NUMBER: _ClassVar[int]
+    PUSH_S_FIELD_NUMBER: _ClassVar[int]
+    held_s: float
+    decode_queue_s: float
+    decode_s: float
+    prepare_s: float
+    tower_s: float
+    cache_write_s: float
+    push_s: float
+    def __init__(self, held_s: _Optional[float] = ..., decode_queue_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., prepare_s: _Optional[float] = ..., tower_s: _Optional[float] = ..., cache_write_s: _Optional[float] = ..., push_s: _Optional[float] = ...) -> None: ...

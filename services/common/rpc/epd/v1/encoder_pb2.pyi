@@ -28,11 +28,13 @@ class EncodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[EncodeItem, _Mapping]]] = ..., destination: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
-    __slots__ = ("encoded", "cached", "encode_s")
+    __slots__ = ("encoded", "cached", "encode_s", "stages")
     ENCODED_FIELD_NUMBER: _ClassVar[int]
     CACHED_FIELD_NUMBER: _ClassVar[int]
     ENCODE_S_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
     encoded: int
     cached: int
     encode_s: float
-    def __init__(self, encoded: _Optional[int] = ..., cached: _Optional[int] = ..., encode_s: _Optional[float] = ...) -> None: ...
+    stages: _common_pb2.EncodeStages
+    def __init__(self, encoded: _Optional[int] = ..., cached: _Optional[int] = ..., encode_s: _Optional[float] = ..., stages: _Optional[_Union[_common_pb2.EncodeStages, _Mapping]] = ...) -> None: ...

@@ -66,18 +66,24 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., text_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., video_tokens: _Optional[int] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue_s", "encode_s", "prefill_s", "first_token_s", "total_s")
+    __slots__ = ("queue_s", "encode_s", "prefill_s", "first_token_s", "total_s", "intake_s", "embedding_wait_s", "encode_stages")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     ENCODE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    INTAKE_S_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_STAGES_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     encode_s: float
     prefill_s: float
     first_token_s: float
     total_s: float
-    def __init__(self, queue_s: _Optional[float] = ..., encode_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
+    intake_s: float
+    embedding_wait_s: float
+    encode_stages: _common_pb2.EncodeStages
+    def __init__(self, queue_s: _Optional[float] = ..., encode_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., total_s: _Optional[float] = ..., intake_s: _Optional[float] = ..., embedding_wait_s: _Optional[float] = ..., encode_stages: _Optional[_Union[_common_pb2.EncodeStages, _Mapping]] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("token_ids", "text", "index", "logprobs")
