@@ -82,7 +82,7 @@ class Admission:
         """Raise the immediate refusals above for `workers` (the current view), each judged at its own size."""
         if not workers:
             raise unavailable("no healthy worker is registered")
-        if not any(request.need(w.block_size) <= w.capacity_blocks for w in workers):
+        if not any(request.need_on(w) <= w.capacity_blocks for w in workers):
             needs = _needs(request, workers, "", lambda w: w.capacity_blocks, "the largest worker of that size holds")
             raise Rejection(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -90,7 +90,7 @@ class Admission:
                 "never_fits",
             )
         # A request cannot span workers, so "the cluster can hold it" means some worker can.
-        if not any(request.need(w.block_size) <= w.unreserved_blocks for w in workers):
+        if not any(request.need_on(w) <= w.unreserved_blocks for w in workers):
             needs = _needs(request, workers, "unreserved ", lambda w: w.unreserved_blocks, "most:")
             raise self._exhausted(f"no worker has {needs}; retry later", "cluster_full")
 
@@ -107,7 +107,7 @@ class Admission:
         """Ask the ranked workers in turn, holding each one's own need meanwhile. Returns the first to
         accept as (address, its need, handle), with the prefix recorded at its block size; None when all refuse."""
         for worker in rank_workers(workers, request, self._affinity, self._settings.affinity_weight):
-            need = request.need(worker.block_size)
+            need = request.need_on(worker)
             hold = self._view.hold(worker.address, need)
             try:
                 reserved = await try_worker(worker.address)
@@ -177,7 +177,8 @@ def _needs(
     (label M)" with M the largest `most` among the workers of that size; sizes joined by " or "."""
     parts = []
     for size in sorted({w.block_size for w in workers}):
-        part = f"{request.need(size)} {adjective}KV blocks of {size} tokens"
+        need = max(request.need_on(w) for w in workers if w.block_size == size)
+        part = f"{need} {adjective}KV blocks of {size} tokens"
         if most is not None:
             part += f" ({label} {max(most(w) for w in workers if w.block_size == size)})"
         parts.append(part)

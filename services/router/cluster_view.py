@@ -33,6 +33,7 @@ class WorkerView:
     running: int
     waiting: int
     block_size: int
+    enable_prefix_caching: bool = True  # later choices of a request share choice 0's prompt blocks
 
     @property
     def unreserved_blocks(self) -> int:
@@ -131,6 +132,7 @@ class ClusterView:
                     running=int(state["running"]),
                     waiting=int(state["waiting"]),
                     block_size=int(state["block_size"]),
+                    enable_prefix_caching=bool(state.get("enable_prefix_caching", True)),
                 )
             )
         return out

@@ -57,7 +57,7 @@ def rank_workers(
     workers: Sequence[WorkerView], request: RequestBlocks, affinity: PrefixAffinity, affinity_weight: float = 1.0
 ) -> list[WorkerView]:
     """Workers with room for the request now (its need at their block size), least cost first."""
-    fitting = [w for w in workers if w.unreserved_blocks >= request.need(w.block_size)]
+    fitting = [w for w in workers if w.unreserved_blocks >= request.need_on(w)]
 
     def cost(worker: WorkerView) -> tuple[float, int]:
         load = worker.reserved_blocks * worker.block_size

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 from services.common.block_hash import MediaSpan, extend_block_hashes
 from services.common.kv_blocks import request_blocks
+from services.router.cluster_view import WorkerView
 
 
 class RequestBlocks:
@@ -47,10 +48,15 @@ class RequestBlocks:
             n,
         )
 
-    def need(self, block_size: int) -> int:
+    def need(self, block_size: int, enable_prefix_caching: bool = True) -> int:
         """Blocks of `block_size` tokens the request reserves: ceil(projected_tokens / block_size) for one choice;
-        for n, choice 0's blocks plus each other's less the prompt's shared full blocks (`request_blocks`)."""
-        return request_blocks(self.prompt_tokens, self.max_tokens, self.n, block_size)
+        for n, choice 0's blocks plus each other's, less the prompt's shared full blocks when the worker caches
+        prefixes (`request_blocks`, the worker's own formula)."""
+        return request_blocks(self.prompt_tokens, self.max_tokens, self.n, block_size, enable_prefix_caching)
+
+    def need_on(self, worker: WorkerView) -> int:
+        """The blocks `worker` will reserve for the request, at its block size and prefix-caching setting."""
+        return self.need(worker.block_size, worker.enable_prefix_caching)
 
     def hashes(self, block_size: int) -> Sequence[bytes]:
         """The prompt's full-block hashes at `block_size` (computed on first use, then kept)."""

@@ -90,6 +90,7 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
         return {
             **dataclasses.asdict(snapshot.state),
             "capacity_blocks": servicer.capacity_blocks(),
+            "enable_prefix_caching": config.enable_prefix_caching,  # the router counts blocks as this worker does
             "snapshot_at": snapshot.at,
         }
 

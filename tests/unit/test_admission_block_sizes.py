@@ -209,3 +209,35 @@ def test_a_single_size_cluster_ranks_exactly_as_before(block_size: int) -> None:
         weight = rng.choice([0.0, 0.5, 1.0, 2.0, 3.0])
         expected = _old_rank(workers, request.need(block_size), hashes, affinity, weight)
         assert [w.address for w in rank_workers(workers, request, affinity, weight)] == expected
+
+
+def test_router_and_a_worker_without_prefix_caching_agree_on_n_choices() -> None:
+    """n = 4 on a worker that caches no prefixes: its choices share no prompt blocks, so it reserves four
+    whole footprints; the router, reading the worker's published setting, counts the same (it counted the
+    shared-prompt figure before, fewer blocks than the worker then reserved)."""
+    from services.common.kv_blocks import request_blocks
+
+    prompt, max_tokens, size = len(PROMPT_IDS), MAX_TOKENS, 16
+    request = RequestBlocks(prompt, prompt + 4 * max_tokens, lambda s: prompt_block_hashes(PROMPT_IDS, s), n=4)
+    worker_reserves = request_blocks(prompt, max_tokens, 4, size, shares_prompt=False)
+    state = {
+        "total_blocks": 512,
+        "capacity_blocks": 512,
+        "reserved_blocks": 0,
+        "running": 0,
+        "waiting": 0,
+        "block_size": size,
+        "snapshot_at": 0.0,
+        "enable_prefix_caching": False,
+    }
+
+    class Published:
+        def members(self, role: str, revision: str | None = None) -> list[Member]:
+            return [Member("worker", "w", "r", state, 0.0)] if role == "worker" else []
+
+    view = ClusterView(Published(), "r")  # type: ignore[arg-type]
+    asyncio.run(view.refresh())
+    [worker] = view.workers()
+    assert not worker.enable_prefix_caching
+    assert request.need_on(worker) == worker_reserves == 4 * request_blocks(prompt, max_tokens, 1, size)
+    assert request.need(size) < worker_reserves  # a caching worker shares the prompt's full blocks
