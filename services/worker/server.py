@@ -34,6 +34,7 @@ from services.common.transport_grpc import ChunkAssembler, StreamError
 from services.worker.config import WorkerConfig
 from services.worker.embedding_store import EmbeddingStore
 from services.worker.engine.request import StepOutput
+from services.worker.engine.reservation import NeverFits
 from services.worker.engine_loop import EngineLoop
 from services.worker.engine_process import EngineGone, EngineProcess
 from services.worker.messages import by_choice, engine_request, response
@@ -89,28 +90,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.WorkerRequest, context: grpc.aio.ServicerContext, outputs: asyncio.Queue
     ) -> float:
         """Reserve and enqueue the request; returns the admission time (worker clock) or aborts the RPC."""
-        sampling, prompt = request.sampling, len(request.token_ids)
-        projected = prompt + max(sampling.n, 1) * sampling.max_tokens
-        needed = request_blocks(
-            prompt, sampling.max_tokens, sampling.n, self._loop.kv_state.block_size, self._config.enable_prefix_caching
-        )
-        if needed > self.capacity_blocks():
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"request needs {needed} KV blocks ({projected} tokens); this worker holds "
-                f"at most {self.capacity_blocks()}",
-            )
         mailbox = self._mailbox()
         try:
             admitted = await asyncio.wrap_future(
                 self._loop.add_admitted(engine_request(request), lambda out: mailbox.post(outputs.put_nowait, out))
             )
+        except NeverFits as exc:  # the engine's one capacity check: another worker may hold it
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineGone as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self._config.address}: {exc}")
         if admitted is None:
-            state = self._loop.kv_state
+            state, sampling, caching = self._loop.kv_state, request.sampling, self._config.enable_prefix_caching
+            prompt = len(request.token_ids)
+            needed = request_blocks(prompt, sampling.max_tokens, sampling.n, state.block_size, caching)
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"worker has {state.total_blocks - state.reserved_blocks} unreserved KV blocks, request needs {needed}",

@@ -245,16 +245,15 @@ def test_abort_of_a_request_returns_all_its_choices(loaded: tuple[Any, Any]) -> 
 
 
 def test_request_ids_that_look_like_choices_stay_apart(loaded: tuple[Any, Any]) -> None:
-    """A request named "x/1" next to request "x" of two choices (whose choice 1 reads "x/1"), and a bare
-    reservation of "x/1" made first: reservations are keyed by (request id, choice), so none replaces another."""
+    """A request named "x/1" next to request "x" of two choices (whose choice 1 reads "x/1"): reservations
+    are keyed by (request id, choice), so neither replaces the other's."""
     adapter, model = loaded
     prompt = build_prompt(adapter, model, [LONG])
     engine = make_engine(loaded)
-    assert engine.reserve("x/1", 100)
     assert engine.admit(prompt.request("x", SamplingOptions(max_tokens=6, n=2, ignore_eos=True)))
     need = request_blocks(len(prompt.token_ids), 6, 2, 16)
-    assert engine.kv_state().reserved_blocks == need + 7  # the bare reservation of "x/1" (100 tokens) kept
-    engine.add_request(prompt.request("x/1", SamplingOptions(max_tokens=4, ignore_eos=True)))
+    assert engine.kv_state().reserved_blocks == need
+    assert engine.admit(prompt.request("x/1", SamplingOptions(max_tokens=4, ignore_eos=True)))
     assert engine.kv_state().reserved_blocks == need + request_blocks(len(prompt.token_ids), 4, 1, 16)
     results: dict[Choice, Result] = {}
     drain(engine, results)

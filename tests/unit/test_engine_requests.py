@@ -14,6 +14,7 @@ from services.worker.engine.attention.kv_cache import KVShape
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions
+from services.worker.engine.reservation import NeverFits
 from tests.engine_support import Prompt, Result, build_prompt, collect, drain, image, reference
 
 LONG = "a long shared system preamble about many things that every request starts with " * 4
@@ -121,20 +122,22 @@ def run_one_sampled(engine: Engine, work: list[tuple[Prompt, SamplingOptions]]) 
     return results
 
 
-def test_reserve_then_add_and_release(loaded: tuple[Any, Any]) -> None:
+def test_admit_reserves_all_or_nothing_and_abort_gives_back(loaded: tuple[Any, Any]) -> None:
     engine = make_engine(loaded, kv_cache_bytes=64 * 8192)  # 64 blocks of 16 tokens
     state = engine.kv_state()
     assert state.total_blocks == 64 and state.block_size == 16
-    assert engine.can_reserve(64 * 16) and not engine.can_reserve(64 * 16 + 1)
-    assert engine.reserve("x", 40 * 16) and engine.kv_state().reserved_blocks == 40
-    assert not engine.reserve("y", 30 * 16)
-    engine.release("x")
+    big = SamplingOptions(max_tokens=40 * 16 - 3)
+    assert engine.admit(EngineRequest("x", [1, 2, 3], sampling=big)) and engine.kv_state().reserved_blocks == 40
+    assert not engine.admit(EngineRequest("y", [1, 2, 3], sampling=SamplingOptions(max_tokens=30 * 16 - 3)))
+    assert "y" not in engine.requests and engine.kv_state().reserved_blocks == 40  # refused: nothing kept
+    assert not engine.admit(EngineRequest("x", [1, 2, 3], sampling=big))  # the id is live
+    with pytest.raises(NeverFits, match="needs 65 KV blocks"):  # more than the worker could ever reserve
+        engine.admit(EngineRequest("huge", [1, 2, 3], sampling=SamplingOptions(max_tokens=64 * 16)))
+    assert engine.abort("x") and not engine.abort("x")
     assert engine.kv_state().reserved_blocks == 0
-    assert engine.reserve("z", 100)
-    engine.add_request(EngineRequest("z", [1, 2, 3], sampling=SamplingOptions(max_tokens=5)))
-    assert engine.kv_state().reserved_blocks == 1  # the real size replaced the estimate
-    assert engine.abort("z") and not engine.abort("z")
-    assert engine.kv_state().reserved_blocks == 0
+    assert engine.admit(EngineRequest("z", [1, 2, 3], sampling=SamplingOptions(max_tokens=5)))
+    assert engine.kv_state().reserved_blocks == 1
+    assert engine.abort("z") and engine.kv_state().reserved_blocks == 0
 
 
 def test_embedding_before_and_after_and_missing(loaded: tuple[Any, Any]) -> None:
@@ -178,14 +181,26 @@ def test_bad_requests_are_refused_and_leave_nothing(loaded: tuple[Any, Any]) -> 
 
 
 def test_request_waits_for_reserved_blocks_without_spinning(loaded: tuple[Any, Any]) -> None:
+    """Every block is promised to an admitted request still waiting for its image's embedding: a request
+    added then can neither run nor reserve, and the engine reports no work instead of spinning; when the
+    embedding comes, both run to the end."""
+    adapter, model = loaded
+    prompt = build_prompt(adapter, model, ["x", image(56, 56, 60)])
     engine = make_engine(loaded, kv_cache_bytes=8 * 8192)  # 8 blocks
-    assert engine.reserve("held", 8 * 16)
+    fill = SamplingOptions(max_tokens=8 * 16 - len(prompt.token_ids), ignore_eos=True)
+    assert engine.admit(prompt.request("held", fill)) and engine.kv_state().reserved_blocks == 8
     engine.add_request(EngineRequest("late", [1, 2, 3], sampling=SamplingOptions(max_tokens=5, ignore_eos=True)))
-    assert engine.has_work() and engine.step() == [] and not engine.has_work()
-    engine.release("held")
     results: dict[str, Result] = {}
+    for _ in range(10):  # "held" computes its text up to the image, then nothing can run
+        if not engine.has_work():
+            break
+        collect(engine.step(), results)
+    assert not engine.has_work() and engine.step() == [] and results == {}
+    item = prompt.media[0]
+    engine.provide_embedding(item.mm_hash, prompt.embeddings[item.mm_hash])
     drain(engine, results)
     assert results["late"].finish_reason == "length" and len(results["late"].tokens) == 5
+    assert results["held"].finish_reason == "length"
 
 
 def test_kv_state_counts_preemptions(loaded: tuple[Any, Any]) -> None:

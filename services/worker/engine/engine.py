@@ -65,30 +65,12 @@ class Engine:
         if self.runner.device.type == "cuda":
             torch.cuda.set_device(self.runner.device)
 
-    # ----- reservations (the router's admission) -----
-
-    def can_reserve(self, projected_tokens: int) -> bool:
-        ledger = self.scheduler.ledger
-        return ledger.can_reserve(ledger.blocks_for(projected_tokens))
-
-    def reserve(self, request_id: str, projected_tokens: int) -> bool:
-        """Promise the blocks for ``projected_tokens`` to a request that ``add_request`` brings later (it then
-        reserves its real size, all its choices; ``admit`` does both at once)."""
-        if request_id in self.requests:
-            return False
-        ledger = self.scheduler.ledger
-        return ledger.reserve((request_id, 0), ledger.blocks_for(projected_tokens))
-
-    def release(self, request_id: str) -> None:
-        """Drop a reservation whose request never came (a live request's is dropped when it ends)."""
-        if request_id not in self.requests:
-            self.scheduler.ledger.release((request_id, 0))
-            self._stalled = False
+    # ----- requests -----
 
     def admit(self, request: EngineRequest) -> bool:
-        """Reserve the blocks of all the request's choices and queue it, as one: False (nothing kept) when they
-        do not fit now or the id is live (as ``reserve``); raises ValueError as ``add_request`` does. A bare
-        reservation of its id is replaced."""
+        """The router's admission: reserve the blocks of all the request's choices and queue it, as one; False
+        (nothing kept) when they do not fit now or the id is live. Raises ValueError as ``add_request`` does
+        (``NeverFits`` when the request could never fit this worker)."""
         if request.request_id in self.requests:
             return False
         choices = self._choices(request)
@@ -98,17 +80,10 @@ class Engine:
         self._enqueue(choices)
         return True
 
-    # ----- requests -----
-
     def add_request(self, request: EngineRequest) -> None:
-        """Queue a request (its ``sampling.n`` choices); raises ValueError when it is malformed or could never
-        fit this worker."""
-        choices = self._choices(request)
-        ledger = self.scheduler.ledger
-        needs = {seq.seq_id: seq.reserve_blocks for seq in choices}
-        if choices[0].seq_id in ledger and not ledger.reserve_many(needs):
-            ledger.release(choices[0].seq_id)  # the scheduler reserves the real sizes when it can
-        self._enqueue(choices)
+        """Queue a request (its ``sampling.n`` choices) without reserving: the scheduler reserves each choice's
+        blocks when they fit. Raises ValueError when it is malformed, ``NeverFits`` when it could never fit."""
+        self._enqueue(self._choices(request))
 
     def provide_embedding(self, mm_hash: str, tensor: torch.Tensor) -> None:
         """An item's embedding ``[num_tokens, hidden]`` arrived; before or after its requests."""
@@ -120,13 +95,11 @@ class Engine:
         self._stalled = False
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request (all its choices, or a bare reservation) and everything it holds; False if unknown."""
+        """Drop a request (all its choices) and everything it holds; False if unknown."""
         choices = self.requests.get(request_id)
         self._stalled = False
         if choices is None:
-            known = (request_id, 0) in self.scheduler.ledger
-            self.scheduler.ledger.release((request_id, 0))
-            return known
+            return False
         for seq in list(choices):
             self._finish(seq, "abort")
         return True
@@ -269,11 +242,8 @@ class Engine:
                 f"new tokens exceed the model's {self.max_model_len}"
             )
         self._validate_media(seq)
-        if num_blocks > self.scheduler.ledger.limit:
-            raise ValueError(
-                f"request {seq.request_id!r} needs {num_blocks} KV blocks; this worker has "
-                f"{self.block_manager.num_blocks}"
-            )
+        projected = seq.num_prompt_tokens + max(seq.sampling.n, 1) * seq.sampling.max_tokens
+        self.scheduler.ledger.check_fits(seq.request_id, num_blocks, projected)
 
     def _validate_media(self, seq: Sequence) -> None:
         end, prompt = 0, seq.num_prompt_tokens - seq.num_generated_before  # media lies in the request's own prompt

@@ -9,6 +9,11 @@ from services.common.kv_blocks import blocks_for
 from services.worker.engine.block_manager import BlockManager
 
 
+class NeverFits(ValueError):
+    """A request needs more blocks than this worker could ever reserve for one request (the worker answers
+    FAILED_PRECONDITION: no retry here helps, another worker may hold it)."""
+
+
 class ReservationLedger:
     """Blocks each admitted sequence (one per choice of a request, keyed by its ``seq_id``) may hold at most,
     checked against the worker's total.
@@ -38,6 +43,15 @@ class ReservationLedger:
     def reserved_blocks(self) -> int:
         bm = self.block_manager
         return bm.num_used_blocks + self.total_need - bm.num_refs
+
+    def check_fits(self, request_id: str, num_blocks: int, num_tokens: int) -> None:
+        """The one capacity check: raise NeverFits when ``num_blocks`` (a whole request's, ``num_tokens``
+        projected) is more than ``limit``, what one request could ever reserve here."""
+        if num_blocks > self.limit:
+            raise NeverFits(
+                f"request {request_id!r} needs {num_blocks} KV blocks ({num_tokens} tokens); this worker holds "
+                f"at most {self.limit}"
+            )
 
     def can_reserve(self, num_blocks: int) -> bool:
         return self.reserved_blocks + num_blocks <= self.limit
