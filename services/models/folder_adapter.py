@@ -1,7 +1,9 @@
-"""What every model adapter reads the same way: the folder's parts and the language model's config fields.
+"""What every model adapter does the same way: read the folder's parts and the language model's config fields,
+load the transformers model, embed a prompt's ids with media rows swapped in, and apply the head.
 
 Families (Qwen2-VL, LLaVA) subclass `FolderAdapter`, call its ``__init__`` first, then read their own vision
-config and check the saved image processor against it.
+config and check the saved image processor against it; vision, positions and the language model's forward
+are theirs.
 """
 
 from __future__ import annotations
@@ -9,6 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Self
 
+import torch
+
+from services.models.base import PlacedEmbedding
 from services.models.loading import load_folder_parts
 
 
@@ -49,3 +54,41 @@ class FolderAdapter:
         do not (the GPU check builds its models this way)."""
         eos = config.get_text_config().eos_token_id
         return cls(None, config, None, None, list(eos) if isinstance(eos, list | tuple) else [int(eos)])
+
+    def load_model(self, device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+        """The full transformers model (vision tower, projector, language model, head) in eval mode, its
+        parameters frozen, on `device` in `dtype`; read from the folder only (never downloaded)."""
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_pretrained(self.model_dir, dtype=dtype, local_files_only=True)
+        model = model.to(device)
+        model.eval()
+        model.requires_grad_(False)
+        return model
+
+    def embed_prompt(
+        self, model: torch.nn.Module, token_ids: torch.Tensor, placed: list[PlacedEmbedding]
+    ) -> torch.Tensor:
+        """Input embeddings `[L, hidden]` for 1-D `token_ids`, with each placed embedding's rows swapped in.
+
+        Raises ValueError when `token_ids` is not 1-D or a placed embedding runs past the ids. Reads no device
+        value: that the rows cover media placeholders is the caller's check on its host-side ids (the
+        engine's at add_request).
+        """
+        if token_ids.dim() != 1:
+            raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
+        embed = model.model.get_input_embeddings()
+        ids = token_ids.to(embed.weight.device)
+        with torch.no_grad():
+            rows = embed(ids)
+        for index, item in enumerate(placed):
+            end = item.offset + item.embedding.shape[0]
+            if item.offset < 0 or end > ids.shape[0]:
+                raise ValueError(f"placed embedding {index} spans {item.offset}..{end}, outside {ids.shape[0]} ids")
+            rows[item.offset : end] = item.embedding.to(device=rows.device, dtype=rows.dtype)
+        return rows
+
+    def compute_logits(self, model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits for hidden states (`[..., H]` to `[..., vocab]`) through `lm_head`; the leading
+        dims of `hidden` are kept, on the head's device."""
+        return model.lm_head(hidden)

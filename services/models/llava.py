@@ -28,7 +28,6 @@ from services.models.base import (
     ImageSizeError,
     ItemTokens,
     PixelInputs,
-    PlacedEmbedding,
     PlacedItem,
     Positions,
     PromptError,
@@ -127,16 +126,6 @@ class LlavaAdapter(FolderAdapter):
 
     # ----- vision (encoder) -----
 
-    def load_model(self, device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-        """The full transformers model (vision tower, projector, language model, head) in eval mode."""
-        from transformers import AutoModelForImageTextToText
-
-        model = AutoModelForImageTextToText.from_pretrained(self.model_dir, dtype=dtype, local_files_only=True)
-        model = model.to(device)
-        model.eval()
-        model.requires_grad_(False)
-        return model
-
     def preprocess(self, image: Image.Image) -> PixelInputs:
         """Resize, crop and normalise one RGB, already-oriented image with the saved processor: `[1, 3, S, S]`."""
         self.image_tokens(image.width, image.height)
@@ -165,26 +154,6 @@ class LlavaAdapter(FolderAdapter):
         return out
 
     # ----- language model (worker) -----
-
-    def embed_prompt(
-        self, model: torch.nn.Module, token_ids: torch.Tensor, placed: list[PlacedEmbedding]
-    ) -> torch.Tensor:
-        """Input embeddings `[L, hidden]` for 1-D `token_ids`, with each placed embedding's rows swapped in.
-
-        Raises ValueError when a placed embedding runs past the ids; reads no device value.
-        """
-        if token_ids.dim() != 1:
-            raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
-        embed = model.model.get_input_embeddings()
-        ids = token_ids.to(embed.weight.device)
-        with torch.no_grad():
-            rows = embed(ids)
-        for index, item in enumerate(placed):
-            end = item.offset + item.embedding.shape[0]
-            if item.offset < 0 or end > ids.shape[0]:
-                raise ValueError(f"placed embedding {index} spans {item.offset}..{end}, outside {ids.shape[0]} ids")
-            rows[item.offset : end] = item.embedding.to(device=rows.device, dtype=rows.dtype)
-        return rows
 
     def prompt_positions(
         self, model: torch.nn.Module | None, token_ids: list[int], items: list[PlacedItem]
@@ -231,10 +200,6 @@ class LlavaAdapter(FolderAdapter):
         rows = position_ids[0] if position_ids.dim() == 3 else position_ids
         out = model.model.language_model(inputs_embeds=inputs_embeds, position_ids=rows, **kwargs)
         return out.last_hidden_state
-
-    def compute_logits(self, model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        """Vocabulary logits for hidden states (`[..., H]` to `[..., vocab]`) through `lm_head`."""
-        return model.lm_head(hidden)
 
     def _check_processor_matches_model(self) -> None:
         """The processor must always produce the tower's square input (else token counts would vary)."""

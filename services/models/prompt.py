@@ -40,18 +40,10 @@ def expand_placeholders(token_ids: list[int], placeholder_id: int, items: list[I
     found = token_ids.count(placeholder_id)  # list.count/index scan in C: a text prompt costs ~1 us, not ~100
     if found != len(items):
         raise PromptError(f"the prompt has {found} image placeholders but {len(items)} items were given")
-    out: list[int] = []
-    spans: list[MediaSpan] = []
-    start = 0
-    for item in items:
-        at = token_ids.index(placeholder_id, start)
-        out.extend(token_ids[start:at])
-        spans.append(MediaSpan(offset=len(out), length=item.num_tokens))
-        out.extend([placeholder_id] * item.num_tokens)
-        start = at + 1
-    out.extend(token_ids[start:])
-    media = sum(span.length for span in spans)
-    return BuiltPrompt(token_ids=out, spans=spans, text_tokens=len(out) - media, media_tokens=media)
+    at: list[int] = []
+    for _ in items:
+        at.append(token_ids.index(placeholder_id, at[-1] + 1 if at else 0))
+    return _widen(token_ids, at, items)
 
 
 def media_parts(messages: list[ChatMessage]) -> list[str]:
@@ -71,16 +63,22 @@ def expand_media_placeholders(
     at = [index for index, token in enumerate(token_ids) if token in kinds]
     if len(at) != len(items):
         raise PromptError(f"the prompt has {len(at)} media placeholders but {len(items)} items were given")
+    for index, (position, item) in enumerate(zip(at, items, strict=True)):
+        kind = kinds[token_ids[position]]
+        if kind != item.modality:
+            raise PromptError(f"media item {index} is a {item.modality} but its placeholder is a {kind}'s")
+    return _widen(token_ids, at, items)
+
+
+def _widen(token_ids: list[int], at: list[int], items: list[ItemTokens]) -> BuiltPrompt:
+    """The placeholder at `token_ids[at[i]]` (`at` ascending, one per item) as `items[i].num_tokens` copies."""
     out: list[int] = []
     spans: list[MediaSpan] = []
     start = 0
-    for index, (position, item) in enumerate(zip(at, items, strict=True)):
-        token = token_ids[position]
-        if kinds[token] != item.modality:
-            raise PromptError(f"media item {index} is a {item.modality} but its placeholder is a {kinds[token]}'s")
+    for position, item in zip(at, items, strict=True):
         out.extend(token_ids[start:position])
         spans.append(MediaSpan(offset=len(out), length=item.num_tokens))
-        out.extend([token] * item.num_tokens)
+        out.extend([token_ids[position]] * item.num_tokens)
         start = position + 1
     out.extend(token_ids[start:])
     media = sum(span.length for span in spans)

@@ -21,7 +21,6 @@ from services.models.base import (
     ChatMessage,
     ItemTokens,
     PixelInputs,
-    PlacedEmbedding,
     PlacedItem,
     Positions,
     PromptError,
@@ -158,16 +157,6 @@ class Qwen2VLAdapter(FolderAdapter, Qwen2VLVideoMixin):
 
     # ----- vision (encoder) -----
 
-    def load_model(self, device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-        """The full transformers model (vision tower, projector, language model, head) in eval mode."""
-        from transformers import AutoModelForImageTextToText
-
-        model = AutoModelForImageTextToText.from_pretrained(self.model_dir, dtype=dtype, local_files_only=True)
-        model = model.to(device)
-        model.eval()
-        model.requires_grad_(False)
-        return model
-
     def preprocess(self, image: Image.Image) -> PixelInputs:
         """Resize, normalise and patchify one RGB, already-oriented image with the saved processor."""
         expected = self.image_tokens(image.width, image.height)
@@ -196,8 +185,6 @@ class Qwen2VLAdapter(FolderAdapter, Qwen2VLVideoMixin):
                 raise RuntimeError(f"item {index}: vision output {tuple(rows.shape)}, expected {expected} rows")
         return out
 
-    # ----- language model (worker) -----
-
     def _encode_planned(self, model: torch.nn.Module, items: list[PixelInputs]) -> list[torch.Tensor] | None:
         """`run_vision_tower` with the host plan; None (and planning off from now on) when this transformers'
         tower does not take every planned input (it refuses one as a duplicate keyword)."""
@@ -215,27 +202,7 @@ class Qwen2VLAdapter(FolderAdapter, Qwen2VLVideoMixin):
         grids = torch.tensor([item.grid_thw for item in items], dtype=torch.long, device=pixels.device)
         return list(model.model.get_image_features(pixels, grids).pooler_output)
 
-    def embed_prompt(
-        self, model: torch.nn.Module, token_ids: torch.Tensor, placed: list[PlacedEmbedding]
-    ) -> torch.Tensor:
-        """Input embeddings `[L, hidden]` for 1-D `token_ids`, with each placed embedding's rows swapped in.
-
-        Raises ValueError when a placed embedding runs past the ids. Reads no device value: that the rows
-        cover image placeholders is the caller's check on its host-side ids (the engine's at add_request).
-        """
-        if token_ids.dim() != 1:
-            raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
-        embed = model.model.get_input_embeddings()
-        ids = token_ids.to(embed.weight.device)
-        with torch.no_grad():
-            rows = embed(ids)
-        for index, item in enumerate(placed):
-            count = item.embedding.shape[0]
-            end = item.offset + count
-            if item.offset < 0 or end > ids.shape[0]:
-                raise ValueError(f"placed embedding {index} spans {item.offset}..{end}, outside {ids.shape[0]} ids")
-            rows[item.offset : end] = item.embedding.to(device=rows.device, dtype=rows.dtype)
-        return rows
+    # ----- language model (worker) -----
 
     def prompt_positions(
         self, model: torch.nn.Module | None, token_ids: list[int], items: list[PlacedItem]
@@ -278,10 +245,6 @@ class Qwen2VLAdapter(FolderAdapter, Qwen2VLVideoMixin):
         kwargs.setdefault("use_cache", False)
         out = model.model.language_model(inputs_embeds=inputs_embeds, position_ids=position_ids, **kwargs)
         return out.last_hidden_state
-
-    def compute_logits(self, model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        """Vocabulary logits for hidden states (`[..., H]` to `[..., vocab]`) through `lm_head`."""
-        return model.lm_head(hidden)
 
     def _read_video_settings(self) -> VideoSettings | None:
         """The folder's video settings; None without a folder, or (logged: videos are then refused) when they

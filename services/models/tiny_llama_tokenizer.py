@@ -19,8 +19,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors, trainers
 from tokenizers.models import BPE
 
-from services.models.tiny_corpus import CORPUS
-from services.models.tiny_tokenizer import TinyTokenizerInfo
+from services.models.tiny_tokenizer_files import TinyTokenizerInfo, corpus_lines, write_tokenizer_files
 
 LEADING_SPECIAL: tuple[str, ...] = ("<unk>", "<s>", "</s>")
 """Llama's reserved ids 0, 1, 2."""
@@ -55,8 +54,7 @@ def train_llama_tokenizer(vocab_target: int) -> Tokenizer:
     trainer_side = Tokenizer(BPE())
     trainer_side.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
     trainer = trainers.BpeTrainer(vocab_size=vocab_target, min_frequency=2, show_progress=False)
-    lines = [line for line in CORPUS.splitlines(keepends=True) if line.strip()]
-    trainer_side.train_from_iterator(lines, trainer=trainer)
+    trainer_side.train_from_iterator(corpus_lines(), trainer=trainer)
     learned = json.loads(trainer_side.to_str())["model"]
     vocab = {token: index for index, token in enumerate(LEADING_SPECIAL)}
     for byte in range(256):
@@ -80,23 +78,8 @@ def train_llama_tokenizer(vocab_target: int) -> Tokenizer:
 
 def save_llama_tokenizer(out_dir: Path, vocab_target: int, model_max_length: int) -> TinyTokenizerInfo:
     """Write tokenizer.json and a LlamaTokenizer tokenizer_config.json (LLaVA-1.5's chat template) to `out_dir`."""
-    tokenizer = train_llama_tokenizer(vocab_target)
-    (out_dir / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
-    special_ids = {tok: _token_id(tokenizer, tok) for tok in SPECIAL_TOKENS}
-    added = {
-        str(special_ids[tok]): {
-            "content": tok,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for tok in SPECIAL_TOKENS
-    }
     config = {
         "tokenizer_class": "LlamaTokenizer",
-        "added_tokens_decoder": added,
         "add_bos_token": True,
         "add_eos_token": False,
         "bos_token": "<s>",
@@ -108,13 +91,4 @@ def save_llama_tokenizer(out_dir: Path, vocab_target: int, model_max_length: int
         "model_max_length": model_max_length,
         "chat_template": LLAVA_15_CHAT_TEMPLATE,
     }
-    text = json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-    (out_dir / "tokenizer_config.json").write_text(text, encoding="utf-8")
-    return TinyTokenizerInfo(vocab_size=tokenizer.get_vocab_size(with_added_tokens=True), special_ids=special_ids)
-
-
-def _token_id(tokenizer: Tokenizer, token: str) -> int:
-    token_id = tokenizer.token_to_id(token)
-    if token_id is None:
-        raise RuntimeError(f"special token {token!r} missing from the trained tokenizer")
-    return token_id
+    return write_tokenizer_files(out_dir, train_llama_tokenizer(vocab_target), SPECIAL_TOKENS, config)

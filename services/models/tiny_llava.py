@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.models.tiny_tokenizer import TinyTokenizerInfo
+from services.models.tiny_tokenizer_files import TinyTokenizerInfo
 
 IMAGE_SIZE = 336
 PATCH_SIZE = 14
@@ -31,23 +31,17 @@ _CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 _CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 
-def llava_config(info: TinyTokenizerInfo, width: int, layers: int, init_range: float) -> dict[str, Any]:
+def llava_config(info: TinyTokenizerInfo, text_sizes: dict[str, Any], init_range: float) -> dict[str, Any]:
     """config.json of a tiny LLaVA-1.5 for the Llama-style tokenizer `info` describes.
 
-    `width` (a multiple of 64) and `layers` size the language model: 4 query heads and 2 KV heads of
-    `width // 4`, MLP twice as wide. `init_range` is the language model's and the tower's weights' standard
-    deviation; the projector and head use `PROJECTOR_INIT_RANGE`.
+    `text_sizes` are the language model's size fields (`tiny_model.text_sizes`: vocabulary, width, depth,
+    heads, activation), taken as they are. `init_range` is the language model's and the tower's weights'
+    standard deviation; the projector and head use `PROJECTOR_INIT_RANGE`.
     """
     ids = info.special_ids
     text = {
+        **text_sizes,
         "model_type": "llama",
-        "vocab_size": info.vocab_size,
-        "hidden_size": width,
-        "intermediate_size": 2 * width,
-        "num_hidden_layers": layers,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "hidden_act": "silu",
         "max_position_embeddings": MAX_POSITIONS,
         "rms_norm_eps": 1e-5,
         "initializer_range": init_range,

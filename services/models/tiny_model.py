@@ -17,7 +17,8 @@ from typing import Any
 
 from services.models import tiny_llava
 from services.models.tiny_llama_tokenizer import save_llama_tokenizer
-from services.models.tiny_tokenizer import TinyTokenizerInfo, save_tokenizer
+from services.models.tiny_tokenizer import save_tokenizer
+from services.models.tiny_tokenizer_files import TinyTokenizerInfo
 
 DEFAULT_MIN_PIXELS = 56 * 56
 DEFAULT_MAX_PIXELS = 1280 * 28 * 28
@@ -96,18 +97,12 @@ def tiny_config(family: str, info: TinyTokenizerInfo, width: int = 64, layers: i
     if spec is None:
         raise ValueError(f"unknown tiny model family {family!r}; choose one of {', '.join(TINY_FAMILIES)}")
     if spec.model_type == "llava":
-        return tiny_llava.llava_config(info, width, layers, _INIT_RANGE)
+        return tiny_llava.llava_config(info, text_sizes(info, width, layers), _INIT_RANGE)
     ids = info.special_ids
     scale = width // 64  # head_dim is 16 x scale
     text = {
+        **text_sizes(info, width, layers),
         "model_type": f"{spec.model_type}_text",
-        "vocab_size": info.vocab_size,
-        "hidden_size": width,
-        "intermediate_size": 2 * width,
-        "num_hidden_layers": layers,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "hidden_act": "silu",
         "max_position_embeddings": _MAX_POSITIONS,
         "rms_norm_eps": 1e-6,
         "initializer_range": _INIT_RANGE,
@@ -135,6 +130,22 @@ def tiny_config(family: str, info: TinyTokenizerInfo, width: int = 64, layers: i
         "vision_end_token_id": ids["<|vision_end|>"],
         "tie_word_embeddings": False,
         "dtype": "float32",
+    }
+
+
+def text_sizes(info: TinyTokenizerInfo, width: int, layers: int) -> dict[str, Any]:
+    """The size fields of every tiny family's language model config: the vocabulary of `info`, `width` wide
+    (the caller checks it is a multiple of 64) and `layers` deep, 4 query heads and 2 KV heads of
+    `width // 4` (head_dim 16 at width 64, so the engine's CPU decode kernel applies), a SiLU MLP twice
+    as wide."""
+    return {
+        "vocab_size": info.vocab_size,
+        "hidden_size": width,
+        "intermediate_size": 2 * width,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_act": "silu",
     }
 
 

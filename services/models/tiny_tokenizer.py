@@ -8,14 +8,12 @@ Invariant: the same corpus and vocabulary target always give byte-identical file
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
 from tokenizers.models import BPE
 
-from services.models.tiny_corpus import CORPUS
+from services.models.tiny_tokenizer_files import TinyTokenizerInfo, corpus_lines, write_tokenizer_files
 
 # Qwen2's pre-tokenization split (digits one by one, contractions, words with one leading symbol).
 _PRETOKENIZE_REGEX = (
@@ -55,14 +53,6 @@ QWEN2_VL_CHAT_TEMPLATE = (
 )
 
 
-@dataclass(frozen=True)
-class TinyTokenizerInfo:
-    """The saved tokenizer's size and the ids of its special tokens (by token text)."""
-
-    vocab_size: int
-    special_ids: dict[str, int]
-
-
 def train_tokenizer(vocab_target: int) -> Tokenizer:
     """Train the byte-level BPE on the built-in corpus and append the special tokens.
 
@@ -94,31 +84,15 @@ def train_tokenizer(vocab_target: int) -> Tokenizer:
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    lines = [line for line in CORPUS.splitlines(keepends=True) if line.strip()]
-    tokenizer.train_from_iterator(lines, trainer=trainer)
+    tokenizer.train_from_iterator(corpus_lines(), trainer=trainer)
     tokenizer.add_special_tokens([AddedToken(tok, special=True, normalized=False) for tok in SPECIAL_TOKENS])
     return tokenizer
 
 
 def save_tokenizer(out_dir: Path, vocab_target: int, model_max_length: int) -> TinyTokenizerInfo:
     """Write tokenizer.json and a Qwen2-style tokenizer_config.json (chat template included) to `out_dir`."""
-    tokenizer = train_tokenizer(vocab_target)
-    (out_dir / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
-    special_ids = {tok: _token_id(tokenizer, tok) for tok in SPECIAL_TOKENS}
-    added = {
-        str(special_ids[tok]): {
-            "content": tok,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for tok in SPECIAL_TOKENS
-    }
     config = {
         "tokenizer_class": "Qwen2Tokenizer",
-        "added_tokens_decoder": added,
         "bos_token": None,
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
@@ -129,16 +103,4 @@ def save_tokenizer(out_dir: Path, vocab_target: int, model_max_length: int) -> T
         "model_max_length": model_max_length,
         "chat_template": QWEN2_VL_CHAT_TEMPLATE,
     }
-    (out_dir / "tokenizer_config.json").write_text(_json(config), encoding="utf-8")
-    return TinyTokenizerInfo(vocab_size=tokenizer.get_vocab_size(with_added_tokens=True), special_ids=special_ids)
-
-
-def _token_id(tokenizer: Tokenizer, token: str) -> int:
-    token_id = tokenizer.token_to_id(token)
-    if token_id is None:
-        raise RuntimeError(f"special token {token!r} missing from the trained tokenizer")
-    return token_id
-
-
-def _json(obj: object) -> str:
-    return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    return write_tokenizer_files(out_dir, train_tokenizer(vocab_target), SPECIAL_TOKENS, config)
