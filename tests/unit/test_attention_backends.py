@@ -86,7 +86,34 @@ def test_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="EPD_ATTENTION_BACKEND"):
         config_lib.load(WorkerConfig, env={"EPD_MODEL": "/m", "EPD_ATTENTION_BACKEND": "fast"})
     worker = config_lib.load(WorkerConfig, env={"EPD_MODEL": "/m", "EPD_CUDA_GRAPHS": "false"})
-    assert (worker.block_size, worker.kv_cache_bytes, worker.cuda_graphs) == (0, 0, False)
+    assert (worker.block_size, worker.kv_cache_bytes, worker.cuda_graphs) == (0, 0, "off")  # false: off
+    assert config_lib.load(WorkerConfig, env={"EPD_MODEL": "/m", "EPD_CUDA_GRAPHS": "eager"}).cuda_graphs == "eager"
+    with pytest.raises(ConfigError, match="EPD_CUDA_GRAPHS must be one of auto, on, off, eager"):
+        config_lib.load(WorkerConfig, env={"EPD_MODEL": "/m", "EPD_CUDA_GRAPHS": "yes"})
+
+
+def test_every_engine_setting_is_a_worker_flag_and_variable_with_the_same_default() -> None:
+    """The engine's settings are declared once: each EngineConfig field is a worker flag and EPD_* variable
+    with the engine's default, and the worker hands the engine exactly what it read."""
+    import argparse
+    import dataclasses
+
+    parser = argparse.ArgumentParser()
+    config_lib.add_arguments(parser, WorkerConfig)
+    flags = {action.dest: action.option_strings for action in parser._actions}
+    worker_defaults = WorkerConfig()
+    engine_defaults = EngineConfig()
+    env = {"EPD_MODEL": "/m"}
+    for field in dataclasses.fields(EngineConfig):
+        assert flags[field.name] == [config_lib.flag_name(field.name)], field.name
+        assert getattr(worker_defaults, field.name) == getattr(engine_defaults, field.name), field.name
+        assert field.metadata.get("help"), f"{field.name} has no help text"
+        if field.type in ("int", "float") or field.type.startswith("int |"):
+            env[config_lib.env_name(field.name)] = "7" if field.name != "gpu_memory_utilization" else "0.5"
+    worker = config_lib.load(WorkerConfig, env=env)
+    engine = worker.engine_config()
+    assert dataclasses.asdict(engine) == {f.name: getattr(worker, f.name) for f in dataclasses.fields(EngineConfig)}
+    assert engine.max_num_seqs == 7 and engine.max_model_len == 7 and engine.gpu_memory_utilization == 0.5
 
 
 def test_kv_budget_from_memory() -> None:

@@ -1,12 +1,17 @@
-"""Engine configuration: one validated dataclass."""
+"""Engine configuration: one validated dataclass, whose fields are also the worker's settings.
+
+The worker's flags and `EPD_*` variables are these fields (`WorkerConfig` inherits them), so each engine
+setting is declared and validated here once. No torch at import: client commands read the worker's settings.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
-import torch
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
+_GRAPH_ALIASES = {"true": "auto", "false": "off"}
 ATTENTION_BACKENDS = ("auto", "cpu-kernel", "sdpa", "flash", "flash-reference")
 CUDA_GRAPH_MODES = ("auto", "on", "off", "eager")
 CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
@@ -47,54 +52,81 @@ class EngineConfig:
     use to prove the machinery).
     """
 
-    block_size: int = 0
-    kv_cache_bytes: int = 0
-    gpu_memory_utilization: float = 0.9
-    cuda_graphs: str = "auto"
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    overcommit: float = 1.0
-    enable_prefix_caching: bool = True
-    dtype: str | torch.dtype = "float32"
-    device: str = "cpu"
-    max_model_len: int | None = None
-    prefill_tokens_per_free_seq: int = 0
-    itl_target_ms: float = 0.0
-    embedding_buffer_bytes: int = 256 * 1024 * 1024
-    seed: int = 0
-    attention_backend: str = "auto"
+    block_size: int = field(
+        default=0, metadata={"help": "tokens per KV block; 0: the attention backend's (256 for flash, else 16)"}
+    )
+    kv_cache_bytes: int = field(
+        default=0, metadata={"help": "KV cache budget; 0: from EPD_GPU_MEMORY_UTILIZATION on CUDA, 256 MiB on CPU"}
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata={"help": "share of GPU memory for weights, activations, embeddings and KV (CUDA)"}
+    )
+    cuda_graphs: str = field(
+        default="auto",
+        metadata={"help": "decode-only steps as CUDA graphs: auto, on, off or eager (true/false: auto/off)"},
+    )
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "tokens per step"})
+    max_num_seqs: int = field(default=64, metadata={"help": "sequences per step"})
+    overcommit: float = field(default=1.0, metadata={"help": "reservable blocks / total (>= 1)"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached KV blocks"})
+    dtype: str = field(default="float32", metadata={"help": "float32, bfloat16, float16"})
+    device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
+    max_model_len: int | None = field(default=None, metadata={"help": "longest prompt + output (unset: the model's)"})
+    prefill_tokens_per_free_seq: int = field(
+        default=0, metadata={"help": "prefill tokens per free sequence slot in a step (0: off)"}
+    )
+    itl_target_ms: float = field(
+        default=0.0,
+        metadata={"help": "inter-token latency target: prefill per step sized to keep decode steps under it (0: off)"},
+    )
+    embedding_buffer_bytes: int = field(default=256 * 1024 * 1024, metadata={"help": "embeddings held for prefill"})
+    seed: int = field(default=0, metadata={"help": "the engine's sampling seed for unseeded requests"})
+    attention_backend: str = field(
+        default="auto", metadata={"help": "auto, cpu-kernel, sdpa, flash or flash-reference (docs/engine.md)"}
+    )
 
     def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
-        for name in ("block_size", "kv_cache_bytes"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"EngineConfig.{name} must be >= 0 (0: automatic), got {getattr(self, name)}")
+        self.check()
+
+    def check(self, name: Callable[[str], str] = lambda field: f"EngineConfig.{field}") -> None:
+        """Raise ValueError naming the first bad setting by ``name(field)`` (the worker passes its variables'
+        names). ``cuda_graphs`` true/false become auto/off; a torch dtype becomes its name."""
+        self.cuda_graphs = _GRAPH_ALIASES.get(str(self.cuda_graphs).lower(), self.cuda_graphs)
+        if not isinstance(self.dtype, str):
+            self.dtype = str(self.dtype).removeprefix("torch.")
+        for key in ("max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{name(key)} must be positive, got {getattr(self, key)}")
+        for key in ("block_size", "kv_cache_bytes"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{name(key)} must be >= 0 (0: automatic), got {getattr(self, key)}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"EngineConfig.gpu_memory_utilization must be within (0, 1], got {self.gpu_memory_utilization}"
-            )
+            utilization = self.gpu_memory_utilization
+            raise ValueError(f"{name('gpu_memory_utilization')} must be within (0, 1], got {utilization}")
         if self.cuda_graphs not in CUDA_GRAPH_MODES:
-            raise ValueError(f"EngineConfig.cuda_graphs must be one of {CUDA_GRAPH_MODES}, got {self.cuda_graphs!r}")
+            modes = ", ".join(CUDA_GRAPH_MODES)
+            raise ValueError(f"{name('cuda_graphs')} must be one of {modes}, got {self.cuda_graphs!r}")
         if self.overcommit < 1.0:
-            raise ValueError(f"EngineConfig.overcommit must be >= 1.0, got {self.overcommit}")
+            raise ValueError(f"{name('overcommit')} must be >= 1.0, got {self.overcommit}")
         if self.prefill_tokens_per_free_seq < 0:
-            raise ValueError("EngineConfig.prefill_tokens_per_free_seq must be >= 0")
+            raise ValueError(f"{name('prefill_tokens_per_free_seq')} must be >= 0")
         if not self.itl_target_ms >= 0:
-            raise ValueError(f"EngineConfig.itl_target_ms must be >= 0 (0: off), got {self.itl_target_ms}")
+            raise ValueError(f"{name('itl_target_ms')} must be >= 0 (0: off), got {self.itl_target_ms}")
         if self.embedding_buffer_bytes < 0:
-            raise ValueError("EngineConfig.embedding_buffer_bytes must be >= 0")
+            raise ValueError(f"{name('embedding_buffer_bytes')} must be >= 0")
         if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ValueError(f"EngineConfig.max_model_len must be positive, got {self.max_model_len}")
+            raise ValueError(f"{name('max_model_len')} must be positive, got {self.max_model_len}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
-                f"EngineConfig.attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+                f"{name('attention_backend')} must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                f"got {self.attention_backend!r}"
             )
-        if isinstance(self.dtype, str) and self.dtype not in _DTYPES:
-            raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"{name('dtype')} must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
     @property
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self) -> Any:
         """The KV cache and activation dtype as a torch dtype."""
-        return self.dtype if isinstance(self.dtype, torch.dtype) else _DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
