@@ -195,3 +195,14 @@ def test_videos_go_after_the_images_and_must_be_videos(tmp_path: Path) -> None:
 def test_one_line() -> None:
     assert one_line("a\n  b\tc\n") == "a b c"
     assert len(one_line("x" * 1000, 50)) == 50
+
+
+def test_the_cli_loads_without_torch() -> None:
+    """Client commands (`epd --version`, `generate`, `count`) start without torch or transformers: the worker's
+    settings, which `epd up` reads, are declared torch-free."""
+    import subprocess
+    import sys
+
+    code = "import sys, services.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
