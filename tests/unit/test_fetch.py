@@ -266,7 +266,9 @@ def test_slow_server_hits_total_timeout(server: LoopbackServer) -> None:
     start = time.monotonic()
     error = refused(server.url("/slow"), FetchPolicy(allow_loopback_for_tests=True, total_timeout_s=0.5))
     elapsed = time.monotonic() - start
-    assert error.reason == "timeout" and 0.45 < elapsed < 1.0, (error, elapsed)
+    assert error.reason == "timeout" and "within 0.5 s" in str(error), error
+    # Not before the bound, and long before the server's 30 s of silence ends (only a hang reaches it).
+    assert 0.45 < elapsed < 20, elapsed
 
 
 @pytest.mark.parametrize(("path", "cap"), [("/endless", 1 << 20), ("/eof", 100_000), ("/chunked", 100_000)])
@@ -276,10 +278,9 @@ def test_body_over_cap_while_streaming(server: LoopbackServer, path: str, cap: i
 
 
 def test_content_length_over_cap_refused_before_body(server: LoopbackServer) -> None:
-    start = time.monotonic()
     error = refused(server.url("/huge"), TEST)
+    # The server never sends the body: a fetch that waited for it would end by its timeout instead.
     assert error.reason == "too_large" and "1000000000 bytes" in str(error)
-    assert time.monotonic() - start < 1.0  # the server never sends the body: we did not wait for it
 
 
 @pytest.mark.parametrize(

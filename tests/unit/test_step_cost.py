@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -236,24 +237,35 @@ def test_engine_loop_bounds_its_commands_between_steps_under_a_target(
         assert per_gap == [6], at_step
 
 
-def test_engine_times_a_step_from_the_last_tokens_while_sequences_decode(loaded: tuple[Any, Any]) -> None:
+def test_engine_times_a_step_from_the_last_tokens_while_sequences_decode(
+    loaded: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The time between two steps (the engine loop's work) is part of the decoding sequences' inter-token time;
-    after a step that left nothing decoding, a step is timed from its own start."""
+    after a step that left nothing decoding, a step is timed from its own start. On the engine's own clock,
+    which moves a millisecond per reading and else only when the test says so."""
+    from services.worker.engine import engine as engine_module
     from services.worker.engine.config import EngineConfig
     from services.worker.engine.engine import Engine
     from services.worker.engine.request import EngineRequest, SamplingOptions
 
+    now = [0.0]
+
+    def perf_counter() -> float:
+        now[0] += 0.001
+        return now[0]
+
+    monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=perf_counter))
     adapter, model = loaded
     engine = Engine(adapter, model, EngineConfig(kv_cache_bytes=4 << 20, max_model_len=512))
     timings: list[StepTiming] = []
     engine.on_step = timings.append
     engine.add_request(EngineRequest("a", [5, 6, 7, 8], [], SamplingOptions(max_tokens=3, ignore_eos=True)))
     engine.step()  # prefill, samples the first token; "a" decodes on
-    time.sleep(0.05)
+    now[0] += 0.05  # the loop's work between two steps
     engine.step()
     assert timings[-1].shape == StepShape(1, 5) and timings[-1].seconds >= 0.05
     engine.step()  # the last token: "a" ends
-    time.sleep(1.0)  # idle: not anybody's inter-token time
+    now[0] += 1000.0  # idle: not anybody's inter-token time
     engine.add_request(EngineRequest("b", [9, 10], [], SamplingOptions(max_tokens=1, ignore_eos=True)))
     engine.step()
     assert timings[-1].shape == StepShape(0, 0, 2, 4) and timings[-1].seconds < 1.0
