@@ -12,6 +12,7 @@ import io
 import struct
 import zlib
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -299,3 +300,19 @@ def mp4_declaring_size(real: bytes, w: int, h: int) -> bytes:
     tail = tkhd + struct.unpack(">I", data[tkhd : tkhd + 4])[0]
     data[tail - 8 : tail] = struct.pack(">II", w << 16, h << 16)
     return bytes(data)
+
+
+def record_pixel_decodes(monkeypatch: Any) -> list[str | None]:
+    """Record every PIL pixel decode from now on (the image's format per `ImageFile.load` call): a refusal
+    "from the header" leaves the list empty, a real decode adds its format."""
+    from PIL import ImageFile
+
+    loads: list[str | None] = []
+    real_load = ImageFile.ImageFile.load
+
+    def recording_load(img: ImageFile.ImageFile) -> object:
+        loads.append(img.format)
+        return real_load(img)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", recording_load)
+    return loads

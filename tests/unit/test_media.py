@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from PIL import Image, ImageFile, ImageOps
+from PIL import Image, ImageOps
 
 from services.common.image_bytes import gif_frame_count, sniff_format, webp_size
 from services.common.media import (
@@ -177,14 +177,7 @@ BOMBS = {
 @pytest.mark.parametrize("name", BOMBS)
 def test_bombs_refused_from_header_without_decoding_and_small(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     data, reason = BOMBS[name]
-    loads: list[str | None] = []
-    real_load = ImageFile.ImageFile.load
-
-    def recording_load(img: ImageFile.ImageFile) -> object:
-        loads.append(img.format)
-        return real_load(img)
-
-    monkeypatch.setattr(ImageFile.ImageFile, "load", recording_load)
+    loads = mf.record_pixel_decodes(monkeypatch)
     tracemalloc.start()
     err = refused(data)
     _, peak = tracemalloc.get_traced_memory()

@@ -129,14 +129,7 @@ def test_load_truncated_images_must_stay_off(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_pixel_cap_is_checked_before_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
-    loads: list[str | None] = []
-    real_load = ImageFile.ImageFile.load
-
-    def recording_load(img: ImageFile.ImageFile) -> object:
-        loads.append(img.format)
-        return real_load(img)
-
-    monkeypatch.setattr(ImageFile.ImageFile, "load", recording_load)
+    loads = mf.record_pixel_decodes(monkeypatch)
     with pytest.raises(MediaError) as info:
         load_image(mf.png_declaring(50_000, 50_000), LIMITS)
     assert info.value.reason is MediaReason.PIXELS
