@@ -1,0 +1,478 @@
+"""Benchmark: an OpenAI-compatible server's streamed chat completions (text, fresh and repeated images), any server.
+
+The same client measures every server (ours against vLLM on its own benchmark's terms).
+
+    epd bench serve [--base-url http://127.0.0.1:PORT [--router-pid PID]] [--compare-url URL [--compare-pid PID]]
+                    [--num-requests 64] [--concurrency 16 | --request-rate R] [--max-tokens 64]
+
+Three workloads, each `--num-requests` requests streamed (SSE) to `/v1/chat/completions` with `ignore_eos` and
+`--max-tokens` tokens each: `text` (a prompt of about `--prompt-words` random words, its own first word so no
+two share a prefix beyond the chat template), `fresh-image` (one never-seen `--image-size` image per request,
+a data: URL JPEG or PNG of seeded noise, a seed of its own per request and run: no cache can hit) and
+`repeated-image` (the fresh-image pass's requests again: the servers' image caches may hit). `--concurrency`
+closed-loop clients, or Poisson arrivals at `--request-rate` per second. A few untimed warm-up requests come
+first; every workload has a deadline (`--timeout-s`), after which what has not ended is cancelled and counted
+as unfinished.
+
+Without `--base-url` it starts a local epd cluster (router, encoder, worker, a private Redis, free 127.0.0.1
+ports, a tiny model in a temporary folder) and stops it at the end. With `--compare-url` a second server is
+measured in the same run by the same client, workload by workload alternately (both see the box in the same
+minutes), and ratios ours / theirs are printed.
+
+Per workload: completed, refused (HTTP 429/503) and failed requests, the refusals' latency (send to the refusal)
+p50/p99, output tokens/s (streamed tokens over the workload's wall time), TTFT p50/p99 (send to the first chunk
+with content), ITL p50/p99 (between chunk arrivals; a chunk of k tokens is one gap and k - 1 zero gaps; tokens the
+final usage counts beyond what the chunks showed, their text held back and sent with a later chunk, are zero gaps
+too; streamed tokens are the usage's count, else the chunks'), and, for the cluster it started or a
+`--router-pid`, the router process's CPU seconds over the workload (psutil, else /proc/PID/stat utime + stime; the
+process alone, not its children) per streamed token: "router CPU ms per token". The client's own CPU seconds are
+in the JSON too (on a small box it competes with the servers). A table, then one JSON line (`--json FILE` writes
+it to a file as well).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import random
+import resource
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.bench.openai_stream import Endpoint, Outcome
+from tests.bench.workload import WORDS, percentile
+
+WORKLOADS = ("text", "fresh-image", "repeated-image")
+
+
+@dataclass(frozen=True)
+class Settings:
+    num_requests: int = 64
+    concurrency: int = 16
+    request_rate: float = 0.0  # > 0: Poisson arrivals at this rate instead of closed-loop clients
+    max_tokens: int = 64
+    prompt_words: int = 256
+    image_size: tuple[int, int] = (448, 448)
+    image_format: str = "jpeg"
+    timeout_s: float = 300.0
+    warmup: int = 2
+    seed: int = 0  # 0: a seed of the run's own (fresh images are never seen before, even by a long-lived server)
+
+
+@dataclass
+class Server:
+    """One server measured: where it is, the model to name, the process whose CPU is counted (0: none)."""
+
+    name: str
+    endpoint: Endpoint
+    model: str
+    pid: int = 0
+    started: bool = False
+
+
+class CpuMeter:
+    """A process's user + system CPU seconds (its threads, not its children)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        try:
+            import psutil
+
+            self._process: Any = psutil.Process(pid)
+        except ImportError:
+            self._process = None
+
+    def seconds(self) -> float:
+        if self._process is not None:
+            times = self._process.cpu_times()
+            return times.user + times.system
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+
+
+def _client_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def image_bytes(settings: Settings, seed: int) -> bytes:
+    """One image of seeded noise over a gradient, encoded as ``settings.image_format``."""
+    from tests import media_factory
+
+    width, height = settings.image_size
+    if settings.image_format == "png":
+        return media_factory.png(width, height, seed=seed)
+    return media_factory.jpeg(width, height, seed=seed)
+
+
+def text_body(model: str, settings: Settings, rng: random.Random, tag: str) -> dict[str, Any]:
+    words = [tag, *(rng.choice(WORDS) for _ in range(settings.prompt_words - 1))]
+    return _body(model, settings, " ".join(words))
+
+
+def image_body(model: str, settings: Settings, data: bytes, tag: str) -> dict[str, Any]:
+    mime = "image/png" if settings.image_format == "png" else "image/jpeg"
+    url = f"data:{mime};base64,{base64.b64encode(data).decode()}"
+    parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": f"{tag}: describe it."}]
+    return _body(model, settings, parts)
+
+
+def _body(model: str, settings: Settings, content: str | list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": settings.max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+
+
+def workload_bodies(settings: Settings, seed: int) -> dict[str, list[dict[str, Any]]]:
+    """Each workload's request bodies, the model left blank (filled per server): the fresh-image and
+    repeated-image workloads send the same images."""
+    rng = random.Random(seed)
+    text = [text_body("", settings, rng, f"t{seed}-{i}") for i in range(settings.num_requests)]
+    images = [
+        image_body("", settings, image_bytes(settings, seed * 1000 + i), f"image {seed}-{i}")
+        for i in range(settings.num_requests)
+    ]
+    return {"text": text, "fresh-image": images, "repeated-image": images}
+
+
+def warmup_bodies(settings: Settings, seed: int) -> list[dict[str, Any]]:
+    """Untimed requests first, text and image alternately, with images of their own."""
+    rng = random.Random(seed + 1)
+    bodies = []
+    for i in range(settings.warmup):
+        if i % 2:
+            bodies.append(image_body("", settings, image_bytes(settings, seed * 1000 - 1 - i), f"warm {seed}-{i}"))
+        else:
+            bodies.append(text_body("", settings, rng, f"w{seed}-{i}"))
+    return bodies
+
+
+async def run_requests(
+    endpoint: Endpoint, bodies: list[bytes], settings: Settings, rng: random.Random
+) -> tuple[list[Outcome], float]:
+    """Send every body (closed loop, or Poisson arrivals at ``settings.request_rate``); returns the outcomes and
+    the wall time from the first send to the last end. Whatever has not ended by ``settings.timeout_s`` is
+    cancelled (its outcome's ``error`` says so)."""
+    outcomes = [Outcome() for _ in bodies]
+
+    async def one(i: int) -> None:
+        try:
+            await endpoint.stream(bodies[i], outcomes[i])
+        except (OSError, ValueError, asyncio.IncompleteReadError) as exc:
+            outcomes[i].error = f"{type(exc).__name__}: {exc}"[:200]
+            outcomes[i].ended = time.perf_counter()
+
+    start = time.perf_counter()
+    tasks: list[asyncio.Task] = []
+    if settings.request_rate > 0:
+
+        async def arrivals() -> None:
+            clock = 0.0
+            for i in range(len(bodies)):
+                await asyncio.sleep(max(0.0, clock - (time.perf_counter() - start)))
+                tasks.append(asyncio.create_task(one(i)))
+                clock += rng.expovariate(settings.request_rate)
+
+        tasks.append(asyncio.create_task(arrivals()))
+    else:
+        queue = iter(range(len(bodies)))
+
+        async def client() -> None:
+            for i in queue:
+                await one(i)
+
+        tasks += [asyncio.create_task(client()) for _ in range(min(settings.concurrency, len(bodies)))]
+    deadline = start + settings.timeout_s
+    while pending := [t for t in tasks if not t.done()]:  # arrivals add tasks while it waits
+        await asyncio.wait(pending, timeout=max(0.0, deadline - time.perf_counter()))
+        if time.perf_counter() >= deadline:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            break
+    for outcome in outcomes:
+        if not outcome.ended:
+            outcome.error = "unfinished by the deadline" if outcome.sent else "not sent by the deadline"
+            outcome.ended = time.perf_counter()
+    ends = [o.ended for o in outcomes if o.ended]
+    return outcomes, (max(ends) if ends else time.perf_counter()) - start
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    return percentile(values, q) if values else None
+
+
+def summarize(outcomes: list[Outcome], wall_s: float, router_cpu_s: float | None, client_cpu_s: float) -> dict:
+    """A workload's figures (milliseconds, tokens/s), as printed and put in the JSON line."""
+    done = [o for o in outcomes if o.completed]
+    refused = [o for o in outcomes if o.refused]
+    refusal_ms = [1000 * (o.ended - o.sent) for o in refused]
+    ttfts = [1000 * (o.chunks[0][0] - o.sent) for o in done if o.chunks]
+    itls: list[float] = []
+    for o in done:
+        for (a, _), (b, k) in zip(o.chunks, o.chunks[1:], strict=False):
+            itls += [1000 * (b - a)] + [0.0] * (k - 1)
+        if o.chunks:  # the first chunk's extra tokens, and those the usage counts but no chunk showed
+            itls += [0.0] * (o.chunks[0][1] - 1 + max(0, o.usage_tokens - o.tokens))
+    tokens = sum(max(o.tokens, o.usage_tokens) for o in outcomes)
+    errors = sorted({o.error for o in outcomes if o.error and not o.refused})
+    return {
+        "requests": len(outcomes),
+        "completed": len(done),
+        "refused": len(refused),
+        "failed": len(outcomes) - len(done) - len(refused),
+        "errors": errors[:5],
+        "refusal_latency_p50_ms": _percentile(refusal_ms, 50),
+        "refusal_latency_p99_ms": _percentile(refusal_ms, 99),
+        "output_tokens": tokens,
+        "chunk_tokens": sum(o.tokens for o in outcomes),
+        "chunks": sum(len(o.chunks) for o in outcomes),
+        "multi_token_chunks": sum(k > 1 for o in outcomes for _, k in o.chunks),
+        "wall_s": wall_s,
+        "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
+        "ttft_p50_ms": _percentile(ttfts, 50),
+        "ttft_p99_ms": _percentile(ttfts, 99),
+        "itl_p50_ms": _percentile(itls, 50),
+        "itl_p99_ms": _percentile(itls, 99),
+        "router_cpu_s": router_cpu_s,
+        "router_cpu_ms_per_token": 1000 * router_cpu_s / tokens if router_cpu_s is not None and tokens else None,
+        "client_cpu_s": client_cpu_s,
+        "load_average": os.getloadavg()[0],
+    }
+
+
+def _encoded(bodies: list[dict[str, Any]], model: str) -> list[bytes]:
+    return [json.dumps({**body, "model": model}).encode() for body in bodies]
+
+
+async def measure_workload(server: Server, bodies: list[dict[str, Any]], settings: Settings, seed: int) -> dict:
+    """One workload against one server, its router's CPU counted when its process is known."""
+    encoded = _encoded(bodies, server.model)
+    meter = CpuMeter(server.pid) if server.pid else None
+    cpu_before, client_before = (meter.seconds() if meter else 0.0), _client_cpu_s()
+    outcomes, wall_s = await run_requests(server.endpoint, encoded, settings, random.Random(seed))
+    router_cpu = meter.seconds() - cpu_before if meter else None
+    return summarize(outcomes, wall_s, router_cpu, _client_cpu_s() - client_before)
+
+
+async def measure(servers: list[Server], settings: Settings, workloads: list[str]) -> dict[str, dict[str, dict]]:
+    """Warm-up, then each workload on every server in turn; ``{server name: {workload: figures}}``."""
+    seed = settings.seed or (time.time_ns() // 1000) % (1 << 30)
+    bodies = workload_bodies(settings, seed)
+    warm = warmup_bodies(settings, seed)
+    for server in servers:
+        await run_requests(server.endpoint, _encoded(warm, server.model), settings, random.Random(0))
+    results: dict[str, dict[str, dict]] = {s.name: {} for s in servers}
+    for workload in workloads:
+        for server in servers:
+            results[server.name][workload] = await measure_workload(server, bodies[workload], settings, seed)
+    return results
+
+
+RATIO_KEYS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "router_cpu_ms_per_token")
+
+
+def ratios(ours: dict[str, dict], theirs: dict[str, dict]) -> dict[str, dict[str, float | None]]:
+    """Ours / theirs per workload and figure (None where either is missing or theirs is 0)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for workload, mine in ours.items():
+        other = theirs.get(workload, {})
+        out[workload] = {
+            key: mine[key] / other[key] if mine.get(key) is not None and other.get(key) else None for key in RATIO_KEYS
+        }
+    return out
+
+
+def _f(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(results: dict[str, dict[str, dict]]) -> str:
+    """The compact table: a row per server and workload."""
+    header = (
+        f"{'server':8s} {'workload':15s} {'done':>5s} {'refused':>7s} {'ref p50':>8s} {'ref p99':>8s} "
+        f"{'tok/s':>8s} {'TTFT p50':>9s} {'p99':>8s} {'ITL p50':>8s} {'p99':>7s} {'router ms/tok':>13s}"
+    )
+    rows = [header]
+    for name, workloads in results.items():
+        for workload, f in workloads.items():
+            rows.append(
+                f"{name:8s} {workload:15s} {f['completed']:>2d}/{f['requests']:<2d} {f['refused']:>7d} "
+                f"{_f(f['refusal_latency_p50_ms'], '.1f'):>8s} {_f(f['refusal_latency_p99_ms'], '.1f'):>8s} "
+                f"{f['tokens_per_s']:8.1f} {_f(f['ttft_p50_ms'], '.1f'):>9s} {_f(f['ttft_p99_ms'], '.1f'):>8s} "
+                f"{_f(f['itl_p50_ms'], '.2f'):>8s} {_f(f['itl_p99_ms'], '.2f'):>7s} "
+                f"{_f(f['router_cpu_ms_per_token'], '.3f'):>13s}"
+            )
+    return "\n".join(rows)
+
+
+def _exit_on_sigterm(_signum: int, _frame: object) -> None:
+    raise SystemExit(143)
+
+
+@contextlib.contextmanager
+def local_cluster(startup_timeout_s: float = 180.0) -> Iterator[tuple[str, int]]:
+    """A local epd cluster (private Redis, tiny model in a temporary folder, router HTTP on a free port); yields
+    its base URL and the router's pid, and stops everything on the way out (SIGTERM becomes an exit, so a
+    terminated bench stops it too)."""
+    from services.launch.local import ClusterSpec, free_port, start_cluster
+    from services.models.tiny_model import make_tiny_model
+    from tests.redis_server import RedisServer
+
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    redis = RedisServer(free_port())
+    redis.start()
+    try:
+        with tempfile.TemporaryDirectory(prefix="epd-bench-serve-") as tmp:
+            model = make_tiny_model(Path(tmp) / "model", "qwen2-vl")
+            spec = ClusterSpec(
+                model,
+                redis_url=redis.url,
+                free_ports=True,
+                env={"EPD_HTTP_PORT": str(free_port())},
+                log_dir=Path(tmp) / "logs",
+            )
+            cluster = start_cluster(spec, timeout_s=startup_timeout_s)
+            try:
+                yield cluster.http_url, cluster.router.popen.pid
+            finally:
+                cluster.stop()
+    finally:
+        redis.stop()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _server(name: str, url: str, model: str, pid: int, api_key: str, started: bool = False) -> Server:
+    endpoint = Endpoint.parse(url, api_key)
+    if not model:
+        ids = endpoint.models()
+        if not ids:
+            raise SystemExit(f"{url} lists no model: name one with --model / --compare-model")
+        model = ids[0]
+    return Server(name, endpoint, model, pid, started)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="epd bench serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--base-url", default="", help="a running server (default: start a local epd cluster)")
+    parser.add_argument("--model", default="", help="the model name to send (default: the first /v1/models lists)")
+    parser.add_argument("--router-pid", type=int, default=0, help="the --base-url server's process, for its CPU")
+    parser.add_argument("--compare-url", default="", help="a second server measured in the same run")
+    parser.add_argument("--compare-model", default="", help="the model name for --compare-url")
+    parser.add_argument("--compare-pid", type=int, default=0, help="the --compare-url server's process")
+    parser.add_argument("--api-key", default="", help="sent as a bearer token to both servers")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    parser.add_argument("--num-requests", type=int, default=64, help="requests per workload")
+    parser.add_argument("--concurrency", type=int, default=16, help="closed-loop clients")
+    parser.add_argument("--request-rate", type=float, default=0.0, help="Poisson arrivals per second instead")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request (eos ignored)")
+    parser.add_argument("--prompt-words", type=int, default=256, help="the text workload's prompt length")
+    parser.add_argument("--image-size", default="448x448", help="WIDTHxHEIGHT")
+    parser.add_argument("--image-format", choices=["jpeg", "png"], default="jpeg")
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="each workload's deadline")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed requests per server first")
+    parser.add_argument("--seed", type=int, default=0, help="0: a seed of the run's own")
+    parser.add_argument("--json", type=Path, help="also write the JSON line to this file")
+    args = parser.parse_args(argv)
+    workloads = [w for w in args.workloads.split(",") if w]
+    if unknown := set(workloads) - set(WORKLOADS):
+        parser.error(f"unknown workloads {sorted(unknown)}")
+    if "repeated-image" in workloads and "fresh-image" not in workloads[: workloads.index("repeated-image")]:
+        parser.error("repeated-image repeats a fresh-image pass: list fresh-image before it")
+    if not 1 <= args.num_requests <= 10_000 or args.concurrency < 1 or args.max_tokens < 1 or args.prompt_words < 1:
+        parser.error("--num-requests (1 to 10000), --concurrency, --max-tokens and --prompt-words must be positive")
+    for url in (args.base_url, args.compare_url):
+        if url:
+            try:
+                Endpoint.parse(url)
+            except ValueError as exc:
+                parser.error(str(exc))
+    args.workloads = workloads
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    width, height = (int(v) for v in args.image_size.lower().split("x"))
+    settings = Settings(
+        num_requests=args.num_requests,
+        concurrency=args.concurrency,
+        request_rate=args.request_rate,
+        max_tokens=args.max_tokens,
+        prompt_words=args.prompt_words,
+        image_size=(width, height),
+        image_format=args.image_format,
+        timeout_s=args.timeout_s,
+        warmup=args.warmup,
+        seed=args.seed,
+    )
+    with contextlib.ExitStack() as stack:
+        base_url, pid, started = args.base_url, args.router_pid, False
+        if not base_url:
+            base_url, pid = stack.enter_context(local_cluster())
+            started = True
+        servers = [_server("ours", base_url, args.model, pid, args.api_key, started)]
+        if args.compare_url:
+            servers.append(_server("theirs", args.compare_url, args.compare_model, args.compare_pid, args.api_key))
+        results = asyncio.run(measure(servers, settings, args.workloads))
+    load = f"rate {settings.request_rate:g}/s" if settings.request_rate > 0 else f"concurrency {settings.concurrency}"
+    print(
+        f"{settings.num_requests} requests per workload, {load}, {settings.max_tokens} tokens each (eos ignored), "
+        f"text prompts of {settings.prompt_words} words, {width}x{height} {settings.image_format} images"
+    )
+    for s in servers:
+        print(f"{s.name}: {s.endpoint.url} model {s.model}" + (f", router pid {s.pid}" if s.pid else ""))
+    print(table(results))
+    out: dict[str, Any] = {
+        "settings": {**asdict(settings), "workloads": args.workloads},
+        "target": {
+            "base_url": servers[0].endpoint.url,
+            "model": servers[0].model,
+            "router_pid": servers[0].pid,
+            "started_cluster": servers[0].started,
+        },
+        "workloads": results["ours"],
+        "compare": None,
+        "ratios": None,
+    }
+    if len(servers) > 1:
+        theirs = servers[1]
+        out["compare"] = {
+            "base_url": theirs.endpoint.url,
+            "model": theirs.model,
+            "pid": theirs.pid,
+            "workloads": results["theirs"],
+        }
+        out["ratios"] = ratios(results["ours"], results["theirs"])
+        for workload, r in out["ratios"].items():
+            print(
+                f"ours / theirs, {workload}: "
+                + ", ".join(f"{key} {_f(value, '.2f')}" for key, value in r.items() if key != "router_cpu_ms_per_token")
+                + (f", router CPU per token {r['router_cpu_ms_per_token']:.2f}" if r["router_cpu_ms_per_token"] else "")
+            )
+    line = json.dumps(out)
+    print(line)
+    if args.json is not None:
+        args.json.write_text(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
