@@ -34,7 +34,7 @@ class EncoderConfig(ServiceConfig):
         default=256 << 20, metadata={"help": "sampled, resized video frames kept (0: off)"}
     )
     encoder_max_queue_s: float = dataclasses.field(
-        default=5.0, metadata={"help": "longest expected wait admitted for a request's items"}
+        default=20.0, metadata={"help": "longest expected wait admitted for a request's items"}
     )
     preprocess_workers: int = dataclasses.field(default=0, metadata={"help": "decode processes (0: cores)"})
     preprocess_queue: int = dataclasses.field(

@@ -88,6 +88,7 @@ class EncoderLoad:
     batch_queue_items: int
     batch_queue_tokens: int
     expected_wait_ms: int
+    over_budget_ms: int  # how far the expected wait is past the budget: the router refuses before any call
 
     def as_state(self) -> dict[str, int]:
         return asdict(self)
@@ -185,6 +186,7 @@ class Admission:
             self._batcher.queued_items,
             self._batcher.queued_tokens,
             round(1000 * self.expected_wait_s()),
+            round(1000 * max(0.0, self.expected_wait_s() - self._max_queue_s)),
         )
 
     def _finish(self, tokens: int, encoded: bool) -> None:

@@ -44,6 +44,7 @@ class WorkerView:
 class EncoderView:
     address: str
     queued_tokens: int
+    over_budget_ms: int = 0  # how far its queue's expected wait was past its budget (0: it admits)
 
 
 @dataclass(eq=False)
@@ -156,4 +157,7 @@ class ClusterView:
         return self._absent.get(worker, 0.0)
 
     def encoders(self) -> list[EncoderView]:
-        return [EncoderView(m.address, int(m.state.get("queued_tokens", 0))) for m in self._encoders]
+        return [
+            EncoderView(m.address, int(m.state.get("queued_tokens", 0)), int(m.state.get("over_budget_ms", 0)))
+            for m in self._encoders
+        ]

@@ -80,23 +80,45 @@ class EncodeDispatcher:
     def _encoders(self) -> list[str]:
         return [e.address for e in self._view.encoders()] or list(self._static)
 
-    async def encode(
-        self, request_id: str, refs: list[common_pb2.MediaRef], data: list[bytes], worker: str, deadline: float
-    ) -> EncodeReport:
-        """Make every item's embedding reach `worker`; returns where the time went."""
-        report = EncodeReport()
+    async def uncached(self, refs: list[common_pb2.MediaRef], data: list[bytes]) -> list[encoder_pb2.EncodeItem]:
+        """The items whose embeddings the cache does not hold (what an encoder must make)."""
         if not refs:
-            return report
-        start = time.perf_counter()
+            return []
         cached = await asyncio.to_thread(self._cache.contains, [r.mm_hash for r in refs])
         self._on_lookup(len(refs), sum(cached))
-        items = [
+        return [
             encoder_pb2.EncodeItem(ref=ref, data=blob)
             for ref, blob, hit in zip(refs, data, cached, strict=True)
             if not hit
         ]
+
+    def check_room(self, items: list[encoder_pb2.EncodeItem]) -> None:
+        """Refuse at once (RESOURCE_EXHAUSTED, before any worker reserves blocks) when there are items to encode
+        and every registered encoder last published a backlog past its time budget; the encoders still decide
+        (their published state is a heartbeat old)."""
+        encoders = self._view.encoders()
+        if items and encoders and all(e.over_budget_ms > 0 for e in encoders):
+            retry_ms = min(e.over_budget_ms for e in encoders)
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "every encoder is busy (its queue's expected wait is past its budget); retry later",
+                ((overload.RETRY_AFTER_KEY, str(max(20, retry_ms))),),
+            )
+
+    async def encode(
+        self, request_id: str, refs: list[common_pb2.MediaRef], data: list[bytes], worker: str, deadline: float
+    ) -> EncodeReport:
+        """Make every item's embedding reach `worker`; returns where the time went."""
+        return await self.encode_items(request_id, await self.uncached(refs, data), worker, deadline)
+
+    async def encode_items(
+        self, request_id: str, items: list[encoder_pb2.EncodeItem], worker: str, deadline: float
+    ) -> EncodeReport:
+        """Make the embeddings of `items` (see `uncached`) reach `worker`; returns where the time went."""
+        report = EncodeReport()
         if not items:
             return report
+        start = time.perf_counter()
         encoders = self._encoders()
         groups = group_by_encoder([item.ref.mm_hash for item in items], encoders) if encoders else {worker: []}
         calls = [

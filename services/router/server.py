@@ -238,6 +238,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             worker_request.cache_salt,
             accounted.n,
         )
+        items = await self._dispatcher.uncached(list(accounted.refs), accounted.item_data)
+        self._dispatcher.check_room(items)  # every encoder past its budget: refused before a worker reserves
         with tracer().start_as_current_span("admission") as placing:  # the worker call opened here is its child
             admitted = await self._admission.admit(
                 blocks, lambda worker: self._open_worker(worker, worker_request, deadline), deadline
@@ -248,9 +250,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         state.queue_s += admitted.queue_s
         call = admitted.handle
         encode = asyncio.create_task(
-            self._dispatcher.encode(
-                worker_request.request_id, list(accounted.refs), accounted.item_data, admitted.worker, deadline
-            )
+            self._dispatcher.encode_items(worker_request.request_id, items, admitted.worker, deadline)
         )
         encode.add_done_callback(lambda task: task.cancelled() or task.exception() is None or call.cancel())
         encode.add_done_callback(lambda task: self._record_encode(task, state))

@@ -93,3 +93,29 @@ def test_a_hold_ends_at_its_bound(cache: EmbeddingCache, redis_server: RedisServ
         _dispatch(cache, redis_server.url, encoder, hold_s=0.3)
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert 1 <= encoder.calls <= 7  # held at most 0.3 s at 50 ms or more a try, then refused
+
+
+def test_every_encoder_past_its_budget_refuses_before_any_call(cache: EmbeddingCache) -> None:
+    """The encoders' published backlog past their budget (heartbeat state `over_budget_ms`): when every one is
+    past it, a request with images to encode is refused at once, before any worker reserves blocks; one encoder
+    with room, or nothing to encode, and it goes on."""
+    from services.common.registry import Member
+
+    states = {"e1": {"queued_tokens": 0, "over_budget_ms": 800}, "e2": {"queued_tokens": 0, "over_budget_ms": 300}}
+
+    class Published:
+        def members(self, role: str, revision: str | None = None) -> list[Member]:
+            return [Member("encoder", a, "r", s, 0.0) for a, s in states.items()] if role == "encoder" else []
+
+    view = ClusterView(Published(), "r")  # type: ignore[arg-type]
+    asyncio.run(view.refresh())
+    dispatcher = EncodeDispatcher(view, cache, lambda _: None, [])  # type: ignore[arg-type, return-value]
+    item = encoder_pb2.EncodeItem(ref=common_pb2.MediaRef(mm_hash="h", num_tokens=4), data=b"x")
+    with pytest.raises(RequestError) as info:
+        dispatcher.check_room([item])
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "every encoder is busy" in str(info.value)
+    assert dict(info.value.metadata)["retry-after-ms"] == "300"  # the sooner of the two
+    dispatcher.check_room([])  # all cached: no encoder needed
+    states["e2"]["over_budget_ms"] = 0
+    asyncio.run(view.refresh())
+    dispatcher.check_room([item])  # e2 admits again
