@@ -3,8 +3,8 @@
 Sizing: a request is admitted while the expected wait for its items, at the encoder's measured
 throughput, stays within `encoder_max_queue_s` (and the request's deadline). `preprocess_workers`
 processes decode images (0: one per core); at most `preprocess_queue` items wait for or run in them
-(0: 32 per worker), and at most `max_queued_encoder_tokens` tokens are admitted but not yet through
-the tower (0: four tower batches): ceilings for memory, sized so the time budget binds first in an
+(0: 128 per worker), and at most `max_queued_encoder_tokens` tokens are admitted but not yet through
+the tower (0: 16 tower batches): ceilings for memory, sized so the time budget binds first in an
 ordinary burst. Beyond any of these `Encode` answers RESOURCE_EXHAUSTED at once with a
 `retry-after-ms` hint.
 """
@@ -38,10 +38,10 @@ class EncoderConfig(ServiceConfig):
     )
     preprocess_workers: int = dataclasses.field(default=0, metadata={"help": "decode processes (0: cores)"})
     preprocess_queue: int = dataclasses.field(
-        default=0, metadata={"help": "items decoding or waiting to (0: 32 per worker)"}
+        default=0, metadata={"help": "items decoding or waiting to (0: 128 per worker)"}
     )
     max_queued_encoder_tokens: int = dataclasses.field(
-        default=0, metadata={"help": "tokens admitted, not yet encoded (0: 4 batches)"}
+        default=0, metadata={"help": "tokens admitted, not yet encoded (0: 16 batches)"}
     )
     embedding_transport: str = dataclasses.field(
         default="grpc", metadata={"help": "push embeddings by grpc or dist (torch.distributed)"}
@@ -101,9 +101,9 @@ class EncoderConfig(ServiceConfig):
     @property
     def queue(self) -> int:
         """Items allowed in the preprocessing stage (running plus waiting)."""
-        return self.preprocess_queue or 32 * self.workers
+        return self.preprocess_queue or 128 * self.workers
 
     @property
     def queued_token_cap(self) -> int:
         """Encoder tokens allowed between admission and the end of their tower call."""
-        return self.max_queued_encoder_tokens or 4 * self.max_encoder_tokens_per_batch
+        return self.max_queued_encoder_tokens or 16 * self.max_encoder_tokens_per_batch
