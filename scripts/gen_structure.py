@@ -1,4 +1,4 @@
-"""Write docs/structure.md: one line per module, taken from each module's docstring.
+"""Write docs/structure.md: one line per module, the first sentence of each module's docstring.
 
 `python scripts/gen_structure.py` regenerates it; a test fails when it is stale, so the map of
 the code stays current without hand edits. Generated stubs under services/common/rpc are summarised
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -22,11 +23,25 @@ Deployment: `deploy/`, `docker-compose.yml`, `charts/epd/` (see docs/deploy.md).
 """
 
 
+# Abbreviations whose period does not end a sentence.
+ABBREVIATIONS = ("e.g.", "i.e.", "etc.", "vs.", "cf.")
+SENTENCE_END = re.compile(r"[.!?][)\"'`]*(?=\s|$)")
+
+
+def first_sentence(doc: str) -> str:
+    """The docstring's first sentence: its first paragraph's lines joined, cut after the first `. `."""
+    paragraph = " ".join(line.strip() for line in doc.strip().split("\n\n")[0].splitlines())
+    for match in SENTENCE_END.finditer(paragraph):
+        if not paragraph[: match.start() + 1].lower().endswith(ABBREVIATIONS):
+            return paragraph[: match.end()]
+    return paragraph
+
+
 def summary(path: pathlib.Path) -> str:
     doc = ast.get_docstring(ast.parse(path.read_text()))
     if not doc:
         return "(no docstring)"
-    return doc.strip().splitlines()[0].strip()
+    return first_sentence(doc)
 
 
 def render() -> str:

@@ -2,7 +2,7 @@
 
 A dataclass field `foo_bar` is set, in order of precedence, from the flag `--foo-bar`, the
 environment variable `EPD_FOO_BAR`, or its default. Compose files, Helm values and `epd up`
-all use these same names (see docs/configuration.md). Invalid values raise ConfigError with
+all use these same names (every setting is in docs/interfaces.md). Invalid values raise ConfigError with
 the variable's name; nothing is validated with `assert`.
 """
 

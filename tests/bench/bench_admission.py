@@ -1,4 +1,4 @@
-"""Admission under overload (issue 5): twice the KV the workers hold, against half of it, same run.
+"""Admission under overload: twice the KV the workers hold, against half of it, same run.
 
 Two workers with 64 KV blocks each; every request projects ~23 blocks, so the cluster holds four
 at once. Closed-loop clients keep sending: 2 clients is half the KV, 8 clients offer twice it

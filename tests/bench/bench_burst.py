@@ -1,6 +1,6 @@
 """Benchmark: text streams decoding through a burst of large images, without and with an inter-token latency target.
 
-Issue 17. Two real clusters (router, encoder, worker on free ports; a database each of one private Redis, so each
+Two real clusters (router, encoder, worker on free ports; a database each of one private Redis, so each
 router sees only its own worker) in one invocation: one without a target, one with `EPD_ITL_TARGET_MS`
 (`--itl-target-ms`, default `--target-factor` (2) x the quiet inter-token p99 of the first cluster's first two
 episodes: the calibration; the JSON's `target_over_quiet_p99` is the factor the target run saw). Each cluster

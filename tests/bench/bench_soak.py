@@ -1,4 +1,4 @@
-"""Benchmark: soak (issue 15, acceptance 5): mixed traffic for a long time with a fault every two minutes.
+"""Benchmark: soak: mixed traffic for a long time with a fault every two minutes.
 
 A cluster on free ports with a private Redis: 2 routers (the client balances over both and retries
 UNAVAILABLE before any answer, as a client behind router replicas does), 2 encoders, 2 workers, every

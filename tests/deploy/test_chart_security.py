@@ -1,4 +1,4 @@
-"""The chart's security and tenancy scenario (issue 14, acceptance 6): Secrets only, no secret value rendered.
+"""The chart's security and tenancy scenario: Secrets only, no secret value rendered.
 
 TLS from cert-manager or a Secret, keys, limits and the cache key from Secrets, a password-protected Redis,
 narrowed NetworkPolicies, and no secret value in any rendered manifest. Strict validity of every manifest is

@@ -227,7 +227,7 @@ def test_inconsistent_values_fail_with_a_message(values: dict, message: str) -> 
 
 @pytest.mark.parametrize("values_file", sorted(CI.glob("*-values.yaml")), ids=lambda p: p.name)
 def test_grace_period_covers_the_prestop_sleep_and_the_drain(values_file: Path) -> None:
-    """Issue 15: every epd pod sleeps in preStop (endpoints drop it), then drains for EPD_DRAIN_TIMEOUT_S on
+    """Every epd pod sleeps in preStop (endpoints drop it), then drains for EPD_DRAIN_TIMEOUT_S on
     SIGTERM; the grace period is longer than both, so Kubernetes never kills a drain short."""
     for component, spec in pod_specs(render(load_values(values_file))):
         if component == "redis":

@@ -1,4 +1,4 @@
-"""Graceful drain on SIGTERM (issue 15): a rolling restart of every service under load loses nothing.
+"""Graceful drain on SIGTERM: a rolling restart of every service under load loses nothing.
 
 One cluster for the module: 2 routers (the client balances over both, retrying UNAVAILABLE before an answer
 as a client behind router replicas does), 2 encoders, 2 workers, every service supervised as `epd up` does.
@@ -109,7 +109,7 @@ def _registered(redis_url: str, role: str, address: str) -> None:
 
 
 def test_rolling_restart_of_every_service_under_load_fails_nothing(replicated: Replicated) -> None:
-    """Acceptance 2: SIGTERM to each router, encoder and worker in turn while requests run: 0 failed."""
+    """The rolling restart: SIGTERM to each router, encoder and worker in turn while requests run: 0 failed."""
     cluster = replicated.cluster
     settled_workers(cluster.redis_url, 2)
 

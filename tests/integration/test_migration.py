@@ -1,4 +1,4 @@
-"""No lost requests (issue 15): a worker killed mid-stream, Redis restarted under load, the migration limit.
+"""No lost requests: a worker killed mid-stream, Redis restarted under load, the migration limit.
 
 One cluster for the module (2 encoders, 2 workers, a router, and a second router with EPD_MIGRATION_LIMIT=1),
 every service supervised as `epd up` does, so a killed worker comes back. Outputs are compared token for
@@ -75,7 +75,7 @@ def _all_serving(s: Supervised) -> None:
 
 
 def test_worker_killed_mid_stream_every_request_completes_unchanged(supervised: Supervised) -> None:
-    """Acceptance 1: 16 concurrent greedy image requests, kill -9 of a worker once every stream has tokens."""
+    """Worker kill: 16 concurrent greedy image requests, kill -9 of a worker once every stream has tokens."""
     cluster = supervised.cluster
     _all_serving(supervised)
     calm = run_all([cluster.address], [image_request(i, TOKENS, salt="calm") for i in range(STREAMS)])
@@ -108,7 +108,7 @@ def test_worker_killed_mid_stream_every_request_completes_unchanged(supervised: 
 
 
 def test_redis_restarted_under_load_no_request_fails(supervised: Supervised, redis_server: RedisServer) -> None:
-    """Acceptance 3: Redis stopped and started again while image and text requests stream: 0 failed, and no
+    """Redis restart: Redis stopped and started again while image and text requests stream: 0 failed, and no
     worker taken for gone."""
     cluster = supervised.cluster
     _all_serving(supervised)
@@ -147,7 +147,7 @@ def _serving_worker(redis_url: str, exclude: str = "") -> str:
 
 
 def test_migrations_past_the_limit_end_with_unavailable_naming_worker_and_count(supervised: Supervised) -> None:
-    """Acceptance 4: with EPD_MIGRATION_LIMIT=1, the worker serving a long request is killed, the request moves
+    """Migration limit: with EPD_MIGRATION_LIMIT=1, the worker serving a long request is killed, the request moves
     once, then its new worker is killed too: UNAVAILABLE naming that worker and the count."""
     cluster = supervised.cluster
     _all_serving(supervised)

@@ -1,4 +1,4 @@
-"""Security and tenancy for real (issue 14): mTLS, Redis AUTH/TLS, API keys, tenant isolation and limits.
+"""Security and tenancy for real: mTLS, Redis AUTH/TLS, API keys, tenant isolation and limits.
 
 Router, encoder and worker in their own processes with mTLS on every hop, Redis with a password over TLS, API
 keys that name tenants, signed embedding cache entries and per-tenant limits. Certificates are made here
@@ -153,7 +153,7 @@ def refused(call, code: grpc.StatusCode) -> grpc.RpcError:  # noqa: ANN001
     return caught.value
 
 
-# Acceptance 1: TLS on every hop ------------------------------------------------------------------
+# TLS on every hop ------------------------------------------------------------------------------
 
 
 def test_a_client_with_the_ca_and_a_key_gets_answers(secure: Secure) -> None:
@@ -208,7 +208,7 @@ def test_internal_ports_take_only_clients_of_the_cluster_ca(secure: Secure) -> N
         refused(lambda: list(stream), grpc.StatusCode.UNAVAILABLE)
 
 
-# Acceptance 2: registration cannot redirect traffic; a tampered cache entry is a miss ----------------
+# Registration cannot redirect traffic; a tampered cache entry is a miss ----------------
 
 
 @contextmanager
@@ -288,7 +288,7 @@ def test_a_tampered_cache_entry_is_a_miss_and_the_answer_is_unchanged(secure: Se
     store.close()
 
 
-# Acceptance 3: API keys ------------------------------------------------------------------------------
+# API keys ------------------------------------------------------------------------------------------
 
 
 @contextmanager
@@ -386,7 +386,7 @@ def test_rotating_the_keys_file_takes_effect_without_a_restart(secure: Secure) -
     assert router.poll() is None, "the router restarted"
 
 
-# Acceptance 4: tenants share no prefix blocks and, by default, no embeddings -----------------------
+# Tenants share no prefix blocks and, by default, no embeddings -----------------------
 
 
 def encoded(secure: Secure) -> float:
@@ -444,7 +444,7 @@ def test_shared_embeddings_are_encoded_once_but_prefix_blocks_stay_per_tenant(se
         assert again.usage.cached_tokens > 0
 
 
-# Acceptance 5: per-tenant limits -----------------------------------------------------------------------
+# Per-tenant limits -----------------------------------------------------------------------------------
 
 
 def test_a_tenant_over_its_limits_is_refused_while_others_are_served(secure: Secure) -> None:

@@ -1,4 +1,4 @@
-"""The soak of issue 15 (acceptance 5), shortened: three minutes of mixed traffic with a fault every 30 s
+"""The soak benchmark (`epd bench soak`), shortened: three minutes of mixed traffic with a fault every 30 s
 (each of the five kinds once).
 
 Marked slow, so not in the default run (pyproject's `-m "not slow"`); run it with

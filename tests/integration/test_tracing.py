@@ -1,4 +1,4 @@
-"""One trace across router, encoder and worker; request ids in and out; JSON logs (issue 18, checks 1 and 3).
+"""One trace across router, encoder and worker; request ids in and out; JSON logs.
 
 One real cluster (router, encoder, worker processes, a private Redis) exports its spans over OTLP/gRPC
 to a receiver in this process (`tests/otlp_receiver.py`) and writes JSON logs. Each request carries a

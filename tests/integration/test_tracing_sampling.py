@@ -1,4 +1,4 @@
-"""Sampling ratio 0 exports no span (issue 18, check 2).
+"""Sampling ratio 0 exports no span.
 
 A real cluster is configured with an OTLP endpoint (a receiver in this process) and
 `OTEL_TRACES_SAMPLER=traceidratio` with ratio 0; requests with and without a sampled `traceparent`

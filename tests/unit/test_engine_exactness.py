@@ -1,4 +1,4 @@
-"""Acceptance 1: 16 concurrent requests (text only, and one to three images) through the engine give, each,
+"""Exactness: 16 concurrent requests (text only, and one to three images) through the engine give, each,
 exactly transformers' greedy `generate` for that request alone; at token budgets 16, 64 and 512 (prefill is
 chunked in the first two), with prefix caching on and off, arrivals and embeddings staggered; and under an
 inter-token latency target (prefill chunks sized by measured step costs)."""

@@ -1,5 +1,5 @@
-"""Engine behaviour on the tiny model: prefix cache reuse (acceptance 2), aborts returning everything
-(acceptance 3), seeded sampling independent of the batch (acceptance 4), and the API's edges."""
+"""Engine behaviour on the tiny model: prefix cache reuse, aborts returning everything, seeded
+sampling independent of the batch, and the API's edges."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`epd plan` and its parts: the worked example (issue 17, acceptance 3), traffic files, the cost model's
+"""`epd plan` and its parts: the worked example of docs/planning.md, traffic files, the cost model's
 arithmetic, the fits, profile files, and the command line."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _traffic_file(tmp_path: Path, text: str) -> Path:
     return path
 
 
-# ----- acceptance 3: the worked example -----
+# ----- the worked example -----
 
 
 def test_worked_example_sizes(folder_7b: Path) -> None:
