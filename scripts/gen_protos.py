@@ -23,8 +23,15 @@ def generate(out_dir: pathlib.Path) -> None:
     """Write stubs for every proto under proto/ into out_dir."""
     protos = sorted(str(p.relative_to(PROTO_DIR)) for p in PROTO_DIR.rglob("*.proto"))
     include = pathlib.Path(protoc.__file__).parent / "_proto"
-    args = ["protoc", f"-I{PROTO_DIR}", f"-I{include}", f"--python_out={out_dir}",
-            f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}", *protos]
+    args = [
+        "protoc",
+        f"-I{PROTO_DIR}",
+        f"-I{include}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        *protos,
+    ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
     for path in out_dir.rglob("*.py*"):
