@@ -170,10 +170,6 @@ class Admission:
         """Seconds until the admitted items, plus `items` more, are through the encoder."""
         return self.rates.drain_s(self._items + items)
 
-    def retry_after_ms(self) -> int:
-        """About how long until a retry finds room: the current backlog's drain time, bounded."""
-        return self._retry_ms(max(0.0, self.expected_wait_s() - self._max_queue_s) or self.rates.item_s)
-
     @staticmethod
     def _retry_ms(seconds: float) -> int:
         return min(10_000, max(20, round(1000 * seconds)))

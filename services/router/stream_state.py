@@ -29,7 +29,7 @@ class StreamState:
     first_token_s: float = 0.0
     prefill_s: float = 0.0
     embedding_wait_s: float = 0.0
-    encode_stages: common_pb2.EncodeStages = field(default_factory=lambda: common_pb2.EncodeStages())
+    encode_stages: common_pb2.EncodeStages = field(default_factory=common_pb2.EncodeStages)
     cached: int = 0
     _last: float = field(default=0.0, repr=False)
 

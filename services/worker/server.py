@@ -158,6 +158,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 finished = last.request_finished
                 generated += sum(len(out.new_token_ids) for out in outs)
                 cached = next((out.cached_tokens for out in reversed(outs) if out.index == 0), cached)
+                opening = first_token  # this message carries the first tokens: and the embedding wait
                 if first_token:
                     first_token = False
                     self._metrics.prefill_seconds.record(time.perf_counter() - start)
@@ -169,7 +170,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 freed_at = self._loop.finished_at.pop(request.request_id, 0.0) if finished else 0.0
                 for group in by_choice(outs):
                     message = response(group, time.perf_counter() - start, freed_at if group[-1] is last else 0.0)
-                    message.encode_wait_s = embedded.seconds_after(admitted_from)
+                    if opening:
+                        message.encode_wait_s = embedded.seconds_after(admitted_from)
                     yield message
                 if finished:
                     return

@@ -11,10 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.common import overload
 from services.encoder.batcher import Batcher, BatcherClosed, BatchItem, BatchStats
-from services.encoder.load import Admission, EncoderRates, Overloaded
-from services.encoder.preprocess_pool import PreprocessPool
 
 
 class FakeTower:
@@ -168,111 +165,6 @@ def test_batcher_validates() -> None:
         Batcher(FakeTower(), max_tokens=0, max_wait_s=0.0)
     with pytest.raises(ValueError):
         Batcher(FakeTower(), max_tokens=1, max_wait_s=-1.0)
-
-
-# --- admission ------------------------------------------------------------------------------------
-
-
-def test_admission_is_all_or_nothing_and_gives_everything_back() -> None:
-    async def go() -> None:
-        with PreprocessPool(workers=1, max_queue=3) as pool:
-            batcher = Batcher(FakeTower(), max_tokens=100, max_wait_s=0.0)
-            admission = Admission(pool, batcher, token_cap=50, max_queue_s=60.0, rates=EncoderRates())
-            first = admission.admit([10, 10])
-            assert pool.outstanding == 2 and admission.snapshot().queued_tokens == 20
-            with pytest.raises(Overloaded) as info:
-                admission.admit([5, 5])  # 2 slots asked, 1 left: nothing taken
-            assert info.value.retry_after_ms >= 20 and info.value.kind == overload.FULL
-            assert pool.outstanding == 2 and admission.snapshot().queued_items == 2
-            with pytest.raises(Overloaded, match="encoder tokens") as info:
-                admission.admit([40])  # 20 queued + 40 > 50
-            assert info.value.kind == overload.FULL
-            first.finish(0)
-            first.finish(0)  # idempotent
-            assert pool.outstanding == 1 and admission.snapshot().queued_tokens == 10
-            first.finish(1)
-            assert pool.outstanding == 0 and admission.snapshot().queued_items == 0
-            lone = admission.admit([500])  # above the cap but nothing queued: admitted
-            lone.finish(0)
-            assert admission.snapshot().as_state() == {
-                "queued_items": 0,
-                "queued_tokens": 0,
-                "preprocess_outstanding": 0,
-                "batch_queue_items": 0,
-                "batch_queue_tokens": 0,
-                "expected_wait_ms": 0,
-                "over_budget_ms": 0,
-            }
-
-    run(go())
-
-
-def test_admission_queues_a_burst_within_the_time_budget_and_refuses_past_it() -> None:
-    """An encoder draining an item every 0.05 s: sixteen items expect 0.8 s, so all are
-    admitted under a 1 s budget although they pass the old four-per-process count; the next ones would
-    wait past it and are refused at once as WAIT, with a hint of how long until they would fit; a
-    shorter request budget (its deadline) refuses sooner. Nothing queued: any request is admitted."""
-
-    async def go() -> None:
-        with PreprocessPool(workers=2, max_queue=64) as pool:
-            batcher = Batcher(FakeTower(), max_tokens=100, max_wait_s=0.0)
-            admission = Admission(pool, batcher, token_cap=10_000, max_queue_s=1.0, rates=EncoderRates(item_s=0.05))
-            tickets = [admission.admit([4]) for _ in range(16)]
-            assert admission.snapshot().queued_items == 16 and admission.snapshot().expected_wait_ms == 800
-            tickets.append(admission.admit([4, 4, 4, 4]))  # 20 items: 1.0 s, still within
-            with pytest.raises(Overloaded, match="expected wait 1.10s") as info:
-                admission.admit([4, 4])
-            assert info.value.kind == overload.WAIT and info.value.retry_after_ms == 100
-            assert pool.outstanding == 20  # the refusal took nothing
-            for ticket in tickets:
-                for index in range(len(ticket._tokens)):
-                    ticket.finish(index)
-            tickets = [admission.admit([4]) for _ in range(6)]
-            with pytest.raises(Overloaded, match="budget 0.30s"):
-                admission.admit([4], budget_s=0.3)  # its deadline is nearer than the encoder's budget
-            for ticket in tickets:
-                ticket.finish(0)
-            lone = admission.admit([4] * 40, budget_s=0.01)  # nothing queued: admitted
-            assert admission.snapshot().queued_items == 40
-            for index in range(40):
-                lone.finish(index)
-
-    run(go())
-
-
-def test_encoder_rates_count_busy_time_per_encoded_item() -> None:
-    rates = EncoderRates(item_s=0.05, window=4, prior=2)
-    rates.started(10.0, in_encoder_before=0)
-    rates.started(10.0, in_encoder_before=1)  # a burst: the encoder was busy already
-    rates.finished(10.4, in_encoder_after=2, encoded=True)  # the first carries the burst's wait
-    rates.finished(10.4, in_encoder_after=1, encoded=True)  # finished with it: no busy time of its own
-    assert rates.item_s == pytest.approx((0.05 + 0.05 + 0.4 + 0.0) / 4)
-    rates.finished(10.5, in_encoder_after=0, encoded=False)  # a cache hit: no sample; the encoder is idle
-    rates.started(99.0, in_encoder_before=0)  # idle time never counts
-    rates.finished(99.1, in_encoder_after=0, encoded=True)
-    assert rates.item_s == pytest.approx((0.05 + 0.4 + 0.0 + 0.1) / 4)  # the window keeps the last four
-    assert rates.drain_s(3) == pytest.approx(3 * rates.item_s)
-
-
-def test_encoded_items_teach_admission_its_rate() -> None:
-    async def go() -> None:
-        with PreprocessPool(workers=1, max_queue=8) as pool:
-            batcher = Batcher(FakeTower(), max_tokens=100, max_wait_s=0.0)
-            rates = EncoderRates(item_s=99.0, window=2, prior=1)
-            admission = Admission(pool, batcher, token_cap=1000, max_queue_s=60.0, rates=rates)
-            ticket = admission.admit([4, 4])
-            ticket.finish(0)  # a cache hit or a failure: says nothing about the rate
-            assert rates.item_s == 99.0
-            ticket.finish(1, encoded=True)
-            assert rates.item_s < 99.0  # the encoded item's own (short) busy time joined the window
-
-    run(go())
-
-
-def test_overload_metadata_round_trips_and_defaults_to_wait() -> None:
-    assert overload.read(overload.trailing(250, overload.FULL)) == (250, overload.FULL)
-    assert overload.read((("retry-after-ms", "40"),)) == (40, overload.WAIT)  # an older encoder
-    assert overload.read((("retry-after-ms", "x"), ("epd-overload", "odd"))) == (500, overload.WAIT)
 
 
 # --- the real vision tower -------------------------------------------------------------------------
