@@ -11,9 +11,10 @@ import torch
 from PIL import Image
 
 from services.models.base import ChatMessage, ChatPart
+from services.models.media_span import MediaSpan
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions, StepOutput
+from services.worker.engine.request import EngineRequest, SamplingOptions, StepOutput
 from tests import media_factory
 
 
@@ -24,7 +25,7 @@ class Prompt:
     messages: list[ChatMessage]
     images: list[Image.Image]
     token_ids: list[int]
-    media: list[MediaInput]
+    media: list[MediaSpan]
     embeddings: dict[str, torch.Tensor]
 
     def request(self, request_id: str, sampling: SamplingOptions, cache_salt: str = "") -> EngineRequest:
@@ -44,7 +45,7 @@ def build_prompt(adapter: Any, model: Any, parts: list[str | Image.Image]) -> Pr
     built = adapter.build_prompt(messages, items)
     hashes = [hashlib.sha256(im.tobytes() + str(im.size).encode()).hexdigest() for im in images]
     media = [
-        MediaInput(h, span.offset, span.length, item.grid_thw)
+        MediaSpan(h, span.offset, span.num_tokens, item.grid_thw)
         for h, span, item in zip(hashes, built.spans, items, strict=True)
     ]
     tensors = adapter.encode(model, [adapter.preprocess(im) for im in images]) if images else []

@@ -15,17 +15,10 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from services.models.media_span import MediaSpan
+
 HASH_SCHEME = b"epd-block-hash-v1"
 ROOT_HASH: bytes = hashlib.sha256(HASH_SCHEME).digest()
-
-
-@dataclass(frozen=True)
-class MediaSpan:
-    """Where a media item sits in the prompt: its placeholder tokens ``[offset, offset + num_tokens)``."""
-
-    mm_hash: str
-    offset: int
-    num_tokens: int
 
 
 @dataclass(frozen=True)
@@ -44,8 +37,7 @@ def block_extra_keys(start: int, end: int, media: Sequence[MediaSpan]) -> list[E
     """Extra keys for the block of tokens ``[start, end)``: one per overlapping media item, in order."""
     keys = []
     for item in media:
-        item_end = item.offset + item.num_tokens
-        if item.offset < end and start < item_end:
+        if item.offset < end and start < item.end:
             keys.append(ExtraKey(item.mm_hash, max(start - item.offset, 0)))
     return keys
 

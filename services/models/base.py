@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import torch
 
+from services.models.media_span import MediaSpan
+
 if TYPE_CHECKING:  # PIL only for annotations: the worker's model side runs without it
     from PIL import Image
 
@@ -91,18 +93,11 @@ class VideoFramePlan:
 
 
 @dataclass(frozen=True)
-class MediaSpan:
-    """Where one item's placeholder tokens sit in a prompt: `token_ids[offset:offset + length]`."""
-
-    offset: int
-    length: int
-
-
-@dataclass(frozen=True)
 class BuiltPrompt:
     """A tokenized prompt.
 
-    Invariant: `text_tokens + media_tokens == len(token_ids)`, and `spans[i]` is item i's placeholders.
+    Invariant: `text_tokens + media_tokens == len(token_ids)`, and `spans[i]` is item i's placeholders, grid and
+    modality (its `mm_hash` empty: the router hashes the items).
     """
 
     token_ids: list[int]
@@ -125,17 +120,6 @@ class PlacedEmbedding:
 
     offset: int
     embedding: torch.Tensor
-
-
-@dataclass(frozen=True)
-class PlacedItem:
-    """A media item's first placeholder index in the prompt and its vision grid (for positions); videos also
-    carry `VideoTokens.second_per_grid_t`."""
-
-    offset: int
-    grid_thw: tuple[int, int, int]
-    modality: str = "image"
-    second_per_grid_t: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -185,7 +169,7 @@ class ModelAdapter(Protocol):
     ) -> torch.Tensor: ...
 
     def prompt_positions(
-        self, model: torch.nn.Module | None, token_ids: list[int], items: list[PlacedItem]
+        self, model: torch.nn.Module | None, token_ids: list[int], items: list[MediaSpan]
     ) -> Positions: ...
 
     def decode_positions(self, start: int, count: int, rope_delta: int) -> torch.Tensor: ...

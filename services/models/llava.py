@@ -28,11 +28,11 @@ from services.models.base import (
     ImageSizeError,
     ItemTokens,
     PixelInputs,
-    PlacedItem,
     Positions,
     PromptError,
 )
 from services.models.folder_adapter import FolderAdapter
+from services.models.media_span import MediaSpan
 from services.models.prompt import check_no_special_text, count_image_parts, expand_placeholders
 
 if TYPE_CHECKING:  # PIL only for annotations: the worker's model side runs without it
@@ -156,7 +156,7 @@ class LlavaAdapter(FolderAdapter):
     # ----- language model (worker) -----
 
     def prompt_positions(
-        self, model: torch.nn.Module | None, token_ids: list[int], items: list[PlacedItem]
+        self, model: torch.nn.Module | None, token_ids: list[int], items: list[MediaSpan]
     ) -> Positions:
         """Positions `[3, L]`: the token index on three identical rows, `rope_delta` 0 (what `generate` uses).
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from services.models.base import PlacedItem, Positions
+from services.models.base import Positions
+from services.models.media_span import MediaSpan
 
 
 def merged_grid(grid_thw: tuple[int, int, int], merge_size: int) -> tuple[int, int, int]:
@@ -30,7 +31,7 @@ def item_length(grid_thw: tuple[int, int, int], merge_size: int) -> int:
 
 
 def mrope_positions(
-    length: int, items: list[PlacedItem], merge_size: int, tokens_per_second: float | None = None
+    length: int, items: list[MediaSpan], merge_size: int, tokens_per_second: float | None = None
 ) -> Positions:
     """Positions `[3, length]` for a prompt whose media items sit at `items` (sorted, non-overlapping).
 

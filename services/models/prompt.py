@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from services.models.base import BuiltPrompt, ChatMessage, ItemTokens, MediaSpan, PromptError
+from services.models.base import BuiltPrompt, ChatMessage, ItemTokens, PromptError
+from services.models.media_span import MediaSpan
 
 
 def check_no_special_text(messages: list[ChatMessage], special_tokens: Iterable[str]) -> None:
@@ -77,9 +78,10 @@ def _widen(token_ids: list[int], at: list[int], items: list[ItemTokens]) -> Buil
     start = 0
     for position, item in zip(at, items, strict=True):
         out.extend(token_ids[start:position])
-        spans.append(MediaSpan(offset=len(out), length=item.num_tokens))
+        second_per_grid_t = getattr(item, "second_per_grid_t", 0.0)
+        spans.append(MediaSpan("", len(out), item.num_tokens, item.grid_thw, item.modality, second_per_grid_t))
         out.extend([token_ids[position]] * item.num_tokens)
         start = position + 1
     out.extend(token_ids[start:])
-    media = sum(span.length for span in spans)
+    media = sum(span.num_tokens for span in spans)
     return BuiltPrompt(token_ids=out, spans=spans, text_tokens=len(out) - media, media_tokens=media)

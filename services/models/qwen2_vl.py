@@ -21,12 +21,12 @@ from services.models.base import (
     ChatMessage,
     ItemTokens,
     PixelInputs,
-    PlacedItem,
     Positions,
     PromptError,
 )
 from services.models.folder_adapter import FolderAdapter
 from services.models.loading import read_video_processor_dict
+from services.models.media_span import MediaSpan
 from services.models.prompt import (
     check_no_special_text,
     expand_media_placeholders,
@@ -205,7 +205,7 @@ class Qwen2VLAdapter(FolderAdapter, Qwen2VLVideoMixin):
     # ----- language model (worker) -----
 
     def prompt_positions(
-        self, model: torch.nn.Module | None, token_ids: list[int], items: list[PlacedItem]
+        self, model: torch.nn.Module | None, token_ids: list[int], items: list[MediaSpan]
     ) -> Positions:
         """M-RoPE positions `[3, L]` of a whole prompt (the same numbers `generate` uses).
 

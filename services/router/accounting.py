@@ -9,10 +9,11 @@ those.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from services.common.hashing import mm_hash
+from services.common.media_refs import media_ref
 from services.common.model_info import ModelInfo
 from services.common.rpc.epd.v1 import common_pb2, generation_pb2
 from services.models.base import ImageSizeError, ItemTokens, PromptError, VideoError, VideoTokens
@@ -67,14 +68,9 @@ def account(info: ModelInfo, intake: Intake, max_tokens: int, n: int = 1) -> Acc
             f"longer than the model's context of {adapter.max_context} tokens"
         )
     refs = [
-        common_pb2.MediaRef(
-            mm_hash=mm_hash(info.identity, item.modality, item.data),
-            modality=item.modality,
-            offset=span.offset,
-            num_tokens=span.length,
-            grid_thw=list(tokens.grid_thw),
-            second_per_grid_t=getattr(tokens, "second_per_grid_t", 0.0),
-            frame_indices=list(getattr(tokens, "frame_indices", ())),
+        media_ref(
+            replace(span, mm_hash=mm_hash(info.identity, item.modality, item.data)),
+            getattr(tokens, "frame_indices", ()),
         )
         for item, span, tokens in zip(intake.items, prompt.spans, geometry, strict=True)
     ]

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from services.common.block_hash import MediaSpan, extend_block_hashes
+from services.common.block_hash import extend_block_hashes
 from services.common.kv_blocks import request_blocks
+from services.models.media_span import MediaSpan
 from services.router.cluster_view import WorkerView
 
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry import trace
 
-from services.common.block_hash import MediaSpan
 from services.common.drain import Drain
 from services.common.logs import current_request_id
+from services.common.media_refs import media_span
 from services.common.model_info import ModelInfo
 from services.common.rpc.epd.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.tls import Dialer
@@ -234,7 +234,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         blocks = RequestBlocks.for_prompt(
             list(worker_request.token_ids),
             accounted.projected_tokens,
-            [MediaSpan(r.mm_hash, r.offset, r.num_tokens) for r in accounted.refs],
+            [media_span(r) for r in accounted.refs],
             worker_request.cache_salt,
             accounted.n,
         )

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from services.common.media_refs import media_span
 from services.common.rpc.epd.v1 import common_pb2, worker_pb2
-from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions, StepOutput, TokenLogprobs
+from services.worker.engine.request import EngineRequest, SamplingOptions, StepOutput, TokenLogprobs
 
 
 def engine_request(request: worker_pb2.WorkerRequest) -> EngineRequest:
@@ -12,10 +13,7 @@ def engine_request(request: worker_pb2.WorkerRequest) -> EngineRequest:
     return EngineRequest(
         request_id=request.request_id,
         token_ids=list(request.token_ids),
-        media=[
-            MediaInput(m.mm_hash, m.offset, m.num_tokens, tuple(m.grid_thw), m.modality or "image", m.second_per_grid_t)
-            for m in request.media
-        ],
+        media=[media_span(m) for m in request.media],
         sampling=SamplingOptions(
             max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,

@@ -24,10 +24,11 @@ from typing import Any
 
 import torch
 
+from services.models.media_span import MediaSpan
 from services.models.registry import load_adapter
 from services.worker.engine.config import ATTENTION_BACKENDS, EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions
+from services.worker.engine.request import EngineRequest, SamplingOptions
 from tests.bench.hf_baseline import run_static_batches
 from tests.bench.workload import BenchRequest, Summary, Timeline, make_workload, summarize
 
@@ -119,7 +120,7 @@ def submit(adapter: Any, model: Any, engine: Engine, arrived: list[BenchRequest]
     for r in arrived:
         media = []
         if r.pixels is not None:
-            media = [MediaInput(r.request_id, r.image_offset, r.image_tokens, r.pixels.grid_thw)]
+            media = [MediaSpan(r.request_id, r.image_offset, r.image_tokens, r.pixels.grid_thw)]
         sampling = SamplingOptions(max_tokens=r.max_tokens, ignore_eos=True)
         engine.add_request(EngineRequest(r.request_id, r.token_ids, media, sampling))
 

@@ -108,7 +108,7 @@ def make_workload(
         if with_image:
             picture = media_factory.image(image_size, image_size, seed=seed * 1000 + i)
             request.pixels = adapter.preprocess(picture)
-            request.image_offset, request.image_tokens = built.spans[0].offset, built.spans[0].length
+            request.image_offset, request.image_tokens = built.spans[0].offset, built.spans[0].num_tokens
         requests.append(request)
         clock += rng.expovariate(1.0 / mean_interval_s) if mean_interval_s > 0 else 0.0
     return requests

@@ -12,11 +12,12 @@ from typing import Any
 import torch
 
 from services.models.base import PixelInputs
+from services.models.media_span import MediaSpan
 from services.models.qwen2_vl import Qwen2VLAdapter
 from services.models.tiny_model import tiny_config
 from services.models.tiny_tokenizer import TinyTokenizerInfo
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions
+from services.worker.engine.request import EngineRequest, SamplingOptions
 
 SPECIAL = ["<|endoftext|>", "<|im_end|>", "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]
 TINY_VOCAB = 1024
@@ -64,7 +65,7 @@ def text_id_limit(model: Any) -> int:
 @dataclass(frozen=True)
 class Prompt:
     token_ids: list[int]
-    media: list[MediaInput]
+    media: list[MediaSpan]
     pixels: list[PixelInputs]
     embeddings: list[torch.Tensor]
 
@@ -79,7 +80,7 @@ def mixed_prompt(adapter: Qwen2VLAdapter, model: Any, index: int, gen: torch.Gen
         h, w = 2 * (2 + (index + image) % 4), 2 * (2 + (index * 3 + image) % 5)
         grid = (1, h, w)
         ids.append(config.vision_start_token_id)
-        media.append(MediaInput(f"img-{index}-{image}", len(ids), h * w // 4, grid))
+        media.append(MediaSpan(f"img-{index}-{image}", len(ids), h * w // 4, grid))
         ids.extend([config.image_token_id] * (h * w // 4))
         ids.append(config.vision_end_token_id)
         ids.extend(random_ids(gen, 1 + image, limit))

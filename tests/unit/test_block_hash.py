@@ -8,12 +8,12 @@ import sys
 from services.common.block_hash import (
     ROOT_HASH,
     ExtraKey,
-    MediaSpan,
     block_extra_keys,
     extend_block_hashes,
     hash_block,
     prompt_block_hashes,
 )
+from services.models.media_span import MediaSpan
 
 TOKENS = list(range(100, 164))  # 4 blocks of 16
 
@@ -62,7 +62,7 @@ def test_cache_salt_changes_every_block() -> None:
 
 def test_same_in_another_process() -> None:
     code = (
-        "from services.common.block_hash import prompt_block_hashes, MediaSpan;"
+        "from services.common.block_hash import prompt_block_hashes;from services.models.media_span import MediaSpan;"
         "print(prompt_block_hashes(list(range(100,164)),16,[MediaSpan('m',3,5)],'s')[-1].hex())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

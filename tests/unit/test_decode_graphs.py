@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 import torch
 
+from services.models.media_span import MediaSpan
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.cuda_graphs import graph_buckets
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions
+from services.worker.engine.request import EngineRequest, SamplingOptions
 from services.worker.engine.scheduler import ScheduledChunk
 from services.worker.engine.sequence import Sequence
 from tests.engine_support import Result, build_prompt, collect, drain, image
@@ -40,7 +41,7 @@ def test_only_one_token_text_rows_take_a_bucket(loaded: tuple[Any, Any]) -> None
     graphs = graph_engine(loaded).runner.graphs
     assert graphs is not None and graphs.buckets == [1, 2, 4, 8, 12]
 
-    def chunk(num_tokens: int, start: int = 5, media: tuple[MediaInput, ...] = ()) -> ScheduledChunk:
+    def chunk(num_tokens: int, start: int = 5, media: tuple[MediaSpan, ...] = ()) -> ScheduledChunk:
         seq = Sequence(EngineRequest("s", list(range(20)), list(media), SamplingOptions()), 16, False)
         return ScheduledChunk(seq, start, num_tokens, True)
 
@@ -49,7 +50,7 @@ def test_only_one_token_text_rows_take_a_bucket(loaded: tuple[Any, Any]) -> None
     assert graphs.bucket_for([chunk(1)] * 13) is None  # more rows than the largest bucket
     assert graphs.bucket_for([chunk(1), chunk(2)]) is None  # a chunk: eager
     assert graphs.bucket_for([]) is None
-    item = MediaInput("m", 4, 3)
+    item = MediaSpan("m", 4, 3)
     assert graphs.bucket_for([chunk(1, 5, (item,))]) is None  # its token is an image row
     assert graphs.bucket_for([chunk(1, 7, (item,))]) == 1  # past the image
 

@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 import torch
 
+from services.models.media_span import MediaSpan
 from services.worker.engine.attention.kv_cache import KVShape
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions
+from services.worker.engine.request import EngineRequest, SamplingOptions
 from services.worker.engine.reservation import NeverFits
 from tests.engine_support import Prompt, Result, build_prompt, collect, drain, image, reference
 
@@ -168,7 +169,7 @@ def test_bad_requests_are_refused_and_leave_nothing(loaded: tuple[Any, Any]) -> 
     with pytest.raises(ValueError, match="KV blocks"):
         engine.add_request(EngineRequest("big", [1] * 100, sampling=SamplingOptions(max_tokens=100)))
     with pytest.raises(ValueError, match="image item at .* covers other tokens"):
-        moved = MediaInput(item.mm_hash, item.offset - 1, item.num_tokens, item.grid_thw)
+        moved = MediaSpan(item.mm_hash, item.offset - 1, item.num_tokens, item.grid_thw)
         engine.add_request(EngineRequest("moved", prompt.token_ids, [moved], GREEDY))
     with pytest.raises(ValueError):
         engine.add_request(EngineRequest("nomedia", prompt.token_ids, [], GREEDY))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,10 @@ from services.models.base import (
     ImageSizeError,
     ModelAdapter,
     PlacedEmbedding,
-    PlacedItem,
     PromptError,
 )
 from services.models.llava import LlavaAdapter
+from services.models.media_span import MediaSpan
 from services.models.registry import load_adapter
 from services.models.vision_attention import choose_mode, install_vision_attention
 from services.models.vision_runner import VisionRunner
@@ -127,7 +128,7 @@ def test_prompt_equals_llava_processor(tiny_llava_dir: Path, name: str) -> None:
     encoded = processor(images=images or None, text=text, return_tensors="pt")
     assert encoded["input_ids"][0].tolist() == built.token_ids
     assert built.token_ids[0] == processor.tokenizer.bos_token_id
-    assert [span.length for span in built.spans] == [576] * len(images)
+    assert [span.num_tokens for span in built.spans] == [576] * len(images)
     for span in built.spans:
         assert built.token_ids[span.offset : span.offset + 576] == [adapter.image_token_id] * 576
     assert built.media_tokens == 576 * len(images) and built.text_tokens + built.media_tokens == len(built.token_ids)
@@ -186,7 +187,7 @@ def test_positions_are_the_token_index_on_three_rows(llava: tuple[LlavaAdapter, 
     messages = PROMPTS["text-first"]
     items = [adapter.image_tokens(50, 60)] * 2
     built = adapter.build_prompt(messages, items)
-    placed = [PlacedItem(span.offset, item.grid_thw) for span, item in zip(built.spans, items, strict=True)]
+    placed = [MediaSpan("", s.offset, s.num_tokens, i.grid_thw) for s, i in zip(built.spans, items, strict=True)]
     got = adapter.prompt_positions(model, built.token_ids, placed)
     assert got.rope_delta == 0
     assert torch.equal(got.positions, torch.arange(len(built.token_ids)).expand(3, -1))
@@ -194,7 +195,7 @@ def test_positions_are_the_token_index_on_three_rows(llava: tuple[LlavaAdapter, 
     with pytest.raises(ValueError, match="no item covers"):
         adapter.prompt_positions(None, built.token_ids, placed[:1])
     with pytest.raises(ValueError, match="item 1"):
-        adapter.prompt_positions(None, built.token_ids, [placed[0], PlacedItem(placed[1].offset + 1, (1, 24, 24))])
+        adapter.prompt_positions(None, built.token_ids, [placed[0], replace(placed[1], offset=placed[1].offset + 1)])
 
 
 def _greedy(adapter: ModelAdapter, model: torch.nn.Module, images, messages, max_tokens: int, skew: int = 0):
@@ -204,7 +205,7 @@ def _greedy(adapter: ModelAdapter, model: torch.nn.Module, images, messages, max
     rows = adapter.encode(model, [adapter.preprocess(image) for image in images])
     placed_rows = [PlacedEmbedding(s.offset, r) for s, r in zip(built.spans, rows, strict=True)]
     embeds = adapter.embed_prompt(model, torch.tensor(built.token_ids), placed_rows)
-    placed = [PlacedItem(s.offset, i.grid_thw) for s, i in zip(built.spans, items, strict=True)]
+    placed = [MediaSpan("", s.offset, s.num_tokens, i.grid_thw) for s, i in zip(built.spans, items, strict=True)]
     positions = adapter.prompt_positions(model, built.token_ids, placed)
     cache = DynamicCache(config=model.config.get_text_config())
     out: list[int] = []

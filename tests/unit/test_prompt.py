@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from services.models.base import ItemTokens, MediaSpan, PromptError
+from services.models.base import ItemTokens, PromptError
+from services.models.media_span import MediaSpan
 from services.models.prompt import expand_placeholders
 
 PAD = 9
@@ -25,7 +26,7 @@ def _reference(token_ids: list[int], counts: list[int]) -> tuple[list[int], list
     for token in token_ids:
         if token == PAD:
             count = next(pending)
-            spans.append(MediaSpan(offset=len(out), length=count))
+            spans.append(MediaSpan("", len(out), count, _item(count).grid_thw))
             out.extend([PAD] * count)
         else:
             out.append(token)

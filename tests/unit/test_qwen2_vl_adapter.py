@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,9 +21,9 @@ from services.models.base import (
     ItemTokens,
     ModelAdapter,
     PlacedEmbedding,
-    PlacedItem,
     PromptError,
 )
+from services.models.media_span import MediaSpan
 from services.models.qwen2_vl import Qwen2VLAdapter
 from services.models.qwen2_vl_resize import smart_resize
 from services.models.registry import load_adapter, model_revision
@@ -127,12 +128,12 @@ def test_build_prompt_spans_cover_the_image_pad_runs(tiny_model_dir: Path) -> No
         ChatMessage("user", [ChatPart("image"), ChatPart("text", "Compare"), ChatPart("image"), ChatPart("text", ".")]),
     ]
     built = adapter.build_prompt(messages, items)
-    assert [span.length for span in built.spans] == [item.num_tokens for item in items]
+    assert [span.num_tokens for span in built.spans] == [item.num_tokens for item in items]
     for span in built.spans:
-        run = built.token_ids[span.offset : span.offset + span.length]
-        assert run == [adapter.image_token_id] * span.length
+        run = built.token_ids[span.offset : span.offset + span.num_tokens]
+        assert run == [adapter.image_token_id] * span.num_tokens
         assert built.token_ids[span.offset - 1] == tok.convert_tokens_to_ids("<|vision_start|>")
-        assert built.token_ids[span.offset + span.length] == tok.convert_tokens_to_ids("<|vision_end|>")
+        assert built.token_ids[span.offset + span.num_tokens] == tok.convert_tokens_to_ids("<|vision_end|>")
     assert built.token_ids.count(adapter.image_token_id) == built.media_tokens == sum(i.num_tokens for i in items)
     assert built.text_tokens + built.media_tokens == len(built.token_ids)
     assert tok.decode(built.token_ids).endswith("<|vision_end|>.<|im_end|>\n<|im_start|>assistant\n")
@@ -180,7 +181,7 @@ def test_batched_encode_equals_one_at_a_time(family: tuple[Qwen2VLAdapter, torch
 def _prepared(adapter: Qwen2VLAdapter, model: torch.nn.Module, images: list[Image.Image], messages: list[ChatMessage]):
     items = [adapter.image_tokens(image.width, image.height) for image in images]
     built = adapter.build_prompt(messages, items)
-    placed = [PlacedItem(span.offset, item.grid_thw) for span, item in zip(built.spans, items, strict=True)]
+    placed = [MediaSpan("", s.offset, s.num_tokens, i.grid_thw) for s, i in zip(built.spans, items, strict=True)]
     return built, placed
 
 
@@ -204,7 +205,7 @@ def test_prompt_positions_equal_get_rope_index(family: tuple[Qwen2VLAdapter, tor
     with pytest.raises(ValueError, match="no item covers"):
         adapter.prompt_positions(model, built.token_ids, placed[:1])
     with pytest.raises(ValueError, match="item 0"):
-        adapter.prompt_positions(model, built.token_ids, [PlacedItem(placed[0].offset - 1, placed[0].grid_thw)])
+        adapter.prompt_positions(model, built.token_ids, [replace(placed[0], offset=placed[0].offset - 1)])
 
 
 def _greedy(adapter: ModelAdapter, model: torch.nn.Module, images, messages, max_tokens: int, skew: int = 0):
@@ -214,7 +215,7 @@ def _greedy(adapter: ModelAdapter, model: torch.nn.Module, images, messages, max
     rows = adapter.encode(model, [adapter.preprocess(image) for image in images])
     placed_rows = [PlacedEmbedding(s.offset, r) for s, r in zip(built.spans, rows, strict=True)]
     embeds = adapter.embed_prompt(model, torch.tensor(built.token_ids), placed_rows)
-    placed = [PlacedItem(s.offset, i.grid_thw) for s, i in zip(built.spans, items, strict=True)]
+    placed = [MediaSpan("", s.offset, s.num_tokens, i.grid_thw) for s, i in zip(built.spans, items, strict=True)]
     positions = adapter.prompt_positions(model, built.token_ids, placed)
     cache = DynamicCache(config=model.config.get_text_config())
     out: list[int] = []

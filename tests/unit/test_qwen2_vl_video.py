@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,8 @@ import torch
 from services.common.media_types import VideoLimits
 from services.common.video import probe_video
 from services.encoder.video_decode import decode_video
-from services.models.base import ChatMessage, ChatPart, PlacedEmbedding, PlacedItem, VideoError
+from services.models.base import ChatMessage, ChatPart, PlacedEmbedding, VideoError
+from services.models.media_span import MediaSpan
 from services.models.qwen2_vl import Qwen2VLAdapter
 from services.models.qwen2_vl_video import VideoSettings, sample_frame_indices, video_tokens
 from tests import media_factory
@@ -143,7 +145,7 @@ def _mixed(adapter: Qwen2VLAdapter, video: bytes):
     ]
     built = adapter.build_prompt(messages, items)
     placed = [
-        PlacedItem(s.offset, i.grid_thw, i.modality, getattr(i, "second_per_grid_t", 0.0))
+        MediaSpan("", s.offset, s.num_tokens, i.grid_thw, i.modality, getattr(i, "second_per_grid_t", 0.0))
         for s, i in zip(built.spans, items, strict=True)
     ]
     return messages, built, items, placed
@@ -171,7 +173,7 @@ def test_video_positions_equal_get_rope_index(adapters: dict, models: dict, fps:
         assert got.rope_delta == int(delta), family
         with pytest.raises(ValueError, match="does not cover .* image tokens"):
             adapter.prompt_positions(
-                None, built.token_ids, [placed[0], PlacedItem(placed[1].offset, placed[1].grid_thw)]
+                None, built.token_ids, [placed[0], replace(placed[1], modality="image", second_per_grid_t=0.0)]
             )
 
 

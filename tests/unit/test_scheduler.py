@@ -7,10 +7,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.common.kv_blocks import request_blocks, shared_prompt_blocks
+from services.models.media_span import MediaSpan
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.itl_target import ItlTarget
-from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions
+from services.worker.engine.request import EngineRequest, SamplingOptions
 from services.worker.engine.scheduler import Scheduler, SchedulerOutput
 from services.worker.engine.sequence import Sequence, request_choices
 from services.worker.engine.step_cost import StepCostModel, StepShape
@@ -24,9 +25,7 @@ def make_scheduler(num_blocks: int = 64, embeddings: set[str] | None = None, **o
     return Scheduler(config, bm, embeddings if embeddings is not None else set())
 
 
-def make_seq(
-    request_id: str, prompt: list[int], max_tokens: int = 4, media: list[MediaInput] | None = None
-) -> Sequence:
+def make_seq(request_id: str, prompt: list[int], max_tokens: int = 4, media: list[MediaSpan] | None = None) -> Sequence:
     request = EngineRequest(request_id, prompt, media or [], SamplingOptions(max_tokens=max_tokens))
     return Sequence(request, BLOCK, hash_blocks=True)
 
@@ -86,7 +85,7 @@ def test_running_first_then_waiting_under_one_budget() -> None:
 def test_media_waits_for_its_embedding_text_before_goes_ahead() -> None:
     ready: set[str] = set()
     sched = make_scheduler(embeddings=ready, max_num_batched_tokens=64)
-    seq = make_seq("a", [1] * 10 + [99] * 8 + [2] * 5, max_tokens=2, media=[MediaInput("img", 10, 8, (1, 4, 8))])
+    seq = make_seq("a", [1] * 10 + [99] * 8 + [2] * 5, max_tokens=2, media=[MediaSpan("img", 10, 8, (1, 4, 8))])
     sched.add(seq)
     assert [c.num_tokens for c in step(sched).chunks] == [10]
     assert step(sched).chunks == [] and seq.missing_embeddings(ready) == ["img"]
@@ -97,7 +96,7 @@ def test_media_waits_for_its_embedding_text_before_goes_ahead() -> None:
 
 def test_request_starting_with_media_does_not_block_others() -> None:
     sched = make_scheduler()
-    blocked = make_seq("img", [99] * 8 + [1], media=[MediaInput("x", 0, 8)])
+    blocked = make_seq("img", [99] * 8 + [1], media=[MediaSpan("x", 0, 8)])
     sched.add(blocked)
     sched.add(make_seq("text", [1, 2, 3]))
     out = step(sched)

@@ -10,12 +10,13 @@ import torch
 
 from services.common.kv_blocks import request_blocks
 from services.models.base import placeholder_token_id
+from services.models.media_span import MediaSpan
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.embeddings import EmbeddingPool, EmbeddingStats
 from services.worker.engine.itl_target import ItlTarget
 from services.worker.engine.model_runner import ModelRunner
-from services.worker.engine.request import EngineRequest, KVState, MediaInput, StepOutput
+from services.worker.engine.request import EngineRequest, KVState, StepOutput
 from services.worker.engine.sampler import Sampler, reseed_for_position
 from services.worker.engine.scheduler import Scheduler, SchedulerOutput
 from services.worker.engine.sequence import Sequence, request_choices
@@ -261,7 +262,7 @@ class Engine:
                 )
 
 
-def _check_rows(item: MediaInput, request_id: str, tensor: torch.Tensor) -> None:
+def _check_rows(item: MediaSpan, request_id: str, tensor: torch.Tensor) -> None:
     if tensor.dim() != 2 or tensor.shape[0] != item.num_tokens:
         raise ValueError(
             f"embedding {item.mm_hash[:16]} has shape {tuple(tensor.shape)}, request {request_id!r} "

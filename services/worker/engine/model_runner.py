@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-from services.models.base import PlacedItem
 from services.worker.engine.attention import choose_backend, default_block_size, make_backend
 from services.worker.engine.attention.backend import CONTEXT_KWARG, install_paged_attention
 from services.worker.engine.attention.kv_cache import KVCache, KVShape
@@ -97,9 +96,8 @@ class ModelRunner:
         Kept as three plain lists (one per M-RoPE axis), computed on the host: a step reads them without
         tensor ops and preparing a request touches no device.
         """
-        items = [PlacedItem(m.offset, tuple(m.grid_thw), m.modality, m.second_per_grid_t) for m in seq.media]
         original = seq.num_prompt_tokens - seq.num_generated_before  # a migrated request's own prompt
-        prompt = self.adapter.prompt_positions(None, seq.token_ids[:original], items)
+        prompt = self.adapter.prompt_positions(None, seq.token_ids[:original], seq.media)
         tail = self.adapter.decode_positions(original, seq.max_num_tokens - original, prompt.rope_delta)
         seq.positions = torch.cat([prompt.positions, tail], dim=1).tolist()
 

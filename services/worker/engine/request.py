@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.models.media_span import MediaSpan
+
 MAX_LOGPROBS = 20
 """The most alternatives a request may ask for per token (OpenAI's limit)."""
 
@@ -41,30 +43,13 @@ class SamplingOptions:
             raise ValueError(f"logprobs must be within [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
 
-@dataclass(frozen=True)
-class MediaInput:
-    """A media item of a prompt: its placeholder tokens ``[offset, offset + num_tokens)``.
-
-    ``grid_thw`` is the model-specific patch grid the adapter needs for positions (empty if unused);
-    ``modality`` names the placeholder token the item covers; ``second_per_grid_t`` is a video's time per
-    temporal grid step (Qwen2.5-VL's positions; 0.0 if unused).
-    """
-
-    mm_hash: str
-    offset: int
-    num_tokens: int
-    grid_thw: tuple[int, ...] = ()
-    modality: str = "image"
-    second_per_grid_t: float = 0.0
-
-
 @dataclass
 class EngineRequest:
     """One generation request as the worker server hands it to the engine."""
 
     request_id: str
     token_ids: list[int]
-    media: list[MediaInput] = field(default_factory=list)
+    media: list[MediaSpan] = field(default_factory=list)
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     cache_salt: str = ""
     generated_tokens: int = 0

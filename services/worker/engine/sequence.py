@@ -8,9 +8,10 @@ from enum import Enum, auto
 
 import torch
 
-from services.common.block_hash import MediaSpan, extend_block_hashes
+from services.common.block_hash import extend_block_hashes
 from services.common.kv_blocks import choice_blocks, shared_prompt_blocks
-from services.worker.engine.request import EngineRequest, MediaInput, SamplingOptions
+from services.models.media_span import MediaSpan
+from services.worker.engine.request import EngineRequest, SamplingOptions
 
 
 class SequenceStatus(Enum):
@@ -42,7 +43,7 @@ class Sequence:
         self.num_prompt_tokens: int = len(self.token_ids)
         self.num_generated_before: int = min(request.generated_tokens, self.num_prompt_tokens)
         """Trailing prompt tokens a previous worker generated (a migrated request): text at decode positions."""
-        self.media: list[MediaInput] = list(request.media)
+        self.media: list[MediaSpan] = list(request.media)
         self.sampling: SamplingOptions = choice_sampling(request.sampling, index)
         self.parent = parent
         self.shared_blocks = shared_prompt_blocks(self.num_prompt_tokens, block_size) if parent is not None else 0
@@ -57,7 +58,6 @@ class Sequence:
         self.finish_reason: str | None = None
         self.positions: list[list[int]] = []  # M-RoPE rows [3][max tokens], set by the model runner
         self.generator: torch.Generator | None = None
-        self._spans = [MediaSpan(m.mm_hash, m.offset, m.num_tokens) for m in self.media]
         self._hash_blocks = hash_blocks
         self.block_hashes: list[bytes] = []
         self.update_block_hashes()
@@ -121,7 +121,7 @@ class Sequence:
         """Hash the full blocks not hashed yet (no-op without prefix caching)."""
         if self._hash_blocks:
             hashes, size = self.block_hashes, self.block_size
-            extend_block_hashes(hashes, self.token_ids, size, self._spans, self.cache_salt)
+            extend_block_hashes(hashes, self.token_ids, size, self.media, self.cache_salt)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
