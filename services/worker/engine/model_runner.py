@@ -38,57 +38,88 @@ class RunOutput:
 class ModelRunner:
     """Owns the attention backend, the KV cache (allocated once) and the decode graphs; runs steps.
 
-    ``config`` is the given one with everything automatic resolved (backend name, block size, KV bytes,
-    graph mode). Invariant: ``kv`` holds ``num_blocks`` blocks per layer for sequences, plus, with decode
-    graphs, one scratch block (id ``num_blocks``) that no sequence owns; it never grows. A step writes K/V
-    only to the slots of the blocks the scheduler allocated to its chunks, or to the scratch block.
+    Built in the steps nano-vllm names, in order, each callable alone: ``resolve_config`` (every automatic
+    setting but the KV bytes), ``kv_bytes_after_warm_up`` (on CUDA a warm-up step profiles memory), ``allocate_kv``
+    and ``capture_graphs``. ``config`` is the given one with everything automatic resolved (backend name, block
+    size, graph mode, max model length, KV bytes): the engine adopts it. Invariant: ``kv`` holds ``num_blocks``
+    blocks per layer for sequences, plus, with decode graphs, one scratch block (id ``num_blocks``) that no
+    sequence owns; it never grows. A step writes K/V only to the slots of the blocks the scheduler allocated to
+    its chunks, or to the scratch block.
     """
 
     def __init__(self, adapter: Any, model: torch.nn.Module, config: EngineConfig) -> None:
         self.adapter = adapter
         self.model = model
-        self.device = device = torch.device(config.device)
-        self.dtype = dtype = config.torch_dtype
-        model_dtype = model.get_input_embeddings().weight.dtype
-        if model_dtype != dtype:
-            raise ValueError(f"EngineConfig.dtype is {dtype} but the model's weights are {model_dtype}")
-        self.shape = shape = KVShape.of(model)
-        name = choose_backend(config.attention_backend, device, dtype, shape.head_dim, config.block_size)
-        self.block_size = block_size = config.block_size or default_block_size(name)
-        self.backend = make_backend(name, block_size, device, dtype, shape.head_dim)
-        self.io = HostDevice(device)
-        graph_mode = resolve_graph_mode(config.cuda_graphs, device, name, _rope_type(model))
+        self.config = config = resolve_config(config, model, int(adapter.max_context))
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.shape = KVShape.of(model)
+        self.block_size = config.block_size
+        self.max_model_len = int(config.max_model_len or adapter.max_context)
+        self.backend = make_backend(config.attention_backend, self.block_size, self.device, self.dtype,
+                                    self.shape.head_dim)  # fmt: skip
+        self.io = HostDevice(self.device)
         install_paged_attention(model)
-        kv_bytes = config.kv_cache_bytes or self._kv_bytes_from_memory(config)
-        block_bytes = shape.block_bytes(block_size, dtype)
-        scratch = 0 if graph_mode == "off" else 1
-        self.num_blocks = kv_bytes // block_bytes - scratch
-        if self.num_blocks < 1:
-            raise ValueError(f"kv_cache_bytes={kv_bytes} holds no block of {block_bytes} bytes")
-        self.kv = KVCache.allocate(shape, self.num_blocks + scratch, block_size, dtype, device, self.backend.kv_layout)
-        self.max_model_len = config.max_model_len or int(adapter.max_context)
-        self.graphs: DecodeGraphs | None = None
-        if graph_mode != "off":
-            width = -(-self.max_model_len // block_size)
-            vocab = int(model.config.get_text_config().vocab_size)
-            capture = graph_mode in ("auto", "on")
-            self.graphs = DecodeGraphs(self.backend, self.io, config.max_num_seqs, width, self.num_blocks, vocab,
-                                       dtype, capture=capture)  # fmt: skip
-            if capture:
-                with torch.cuda.device(device):  # capture on the engine's device, whatever is current here
-                    self.graphs.capture(self.all_logits)
-        self.config = dataclasses.replace(
-            config, attention_backend=name, block_size=block_size, kv_cache_bytes=kv_bytes, cuda_graphs=graph_mode
-        )
+        if not config.kv_cache_bytes:
+            self.config = config = dataclasses.replace(config, kv_cache_bytes=self.kv_bytes_after_warm_up())
+        self.num_blocks, self.kv = self.allocate_kv(config.kv_cache_bytes)
+        self.graphs = self.capture_graphs()
         log.info(
             "attention backend %s on %s (%s): %d KV blocks of %d tokens, decode graphs %s",
-            name,
-            device,
-            str(dtype).removeprefix("torch."),
+            config.attention_backend,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
             self.num_blocks,
-            block_size,
-            graph_mode,
+            self.block_size,
+            config.cuda_graphs,
         )
+
+    def kv_bytes_after_warm_up(self) -> int:
+        """The KV budget when none is configured: ``CPU_KV_CACHE_BYTES`` off CUDA; on CUDA what
+        ``gpu_memory_utilization`` leaves after the weights, a warm-up of the largest step and the embeddings."""
+        config = self.config
+        if self.device.type != "cuda":
+            return CPU_KV_CACHE_BYTES
+        tokens = config.max_num_batched_tokens
+        profile = profile_cuda(self.device, lambda: self.warm_up(tokens, min(config.max_num_seqs, tokens)))
+        budget = kv_budget(profile, config.gpu_memory_utilization, config.embedding_buffer_bytes)
+        log.info(
+            "GPU memory: %.1f GiB total, warm-up peak %.2f GiB, %.2f GiB outside torch: %.2f GiB for KV",
+            profile.total / 2**30,
+            profile.peak / 2**30,
+            profile.other / 2**30,
+            budget / 2**30,
+        )
+        return budget
+
+    def allocate_kv(self, kv_bytes: int) -> tuple[int, KVCache]:
+        """The sequences' block count and a KV cache of ``kv_bytes`` in the backend's layout: as many whole
+        blocks as fit, one of them the decode graphs' scratch block when there are graphs. ValueError when
+        ``kv_bytes`` holds no block for sequences."""
+        block_bytes = self.shape.block_bytes(self.block_size, self.dtype)
+        scratch = 0 if self.config.cuda_graphs == "off" else 1
+        num_blocks = kv_bytes // block_bytes - scratch
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_bytes={kv_bytes} holds no block of {block_bytes} bytes")
+        layout = self.backend.kv_layout
+        kv = KVCache.allocate(self.shape, num_blocks + scratch, self.block_size, self.dtype, self.device, layout)
+        return num_blocks, kv
+
+    def capture_graphs(self) -> DecodeGraphs | None:
+        """The decode graphs over ``kv`` for the resolved graph mode: None when ``off``; the padded static
+        buffers without capturing when ``eager``; captured on the engine's device when ``auto`` or ``on``."""
+        mode = self.config.cuda_graphs
+        if mode == "off":
+            return None
+        width = -(-self.max_model_len // self.block_size)
+        vocab = int(self.model.config.get_text_config().vocab_size)
+        capture = mode in ("auto", "on")
+        graphs = DecodeGraphs(self.backend, self.io, self.config.max_num_seqs, width, self.num_blocks, vocab,
+                              self.dtype, capture=capture)  # fmt: skip
+        if capture:
+            with torch.cuda.device(self.device):  # capture on the engine's device, whatever is current here
+                graphs.capture(self.all_logits)
+        return graphs
 
     def prepare(self, seq: Sequence) -> None:
         """Compute the sequence's positions for every token it may hold (raises ValueError on bad media).
@@ -151,21 +182,26 @@ class ModelRunner:
         top_p = torch.full((rows,), 0.9, device=self.device)
         filter_top_k_top_p(logits, top_k, top_p).softmax(dim=-1)  # the sampler's largest temporaries
 
-    def _kv_bytes_from_memory(self, config: EngineConfig) -> int:
-        """``CPU_KV_CACHE_BYTES`` off CUDA; on CUDA what ``gpu_memory_utilization`` leaves after a warm-up."""
-        if self.device.type != "cuda":
-            return CPU_KV_CACHE_BYTES
-        tokens = config.max_num_batched_tokens
-        profile = profile_cuda(self.device, lambda: self.warm_up(tokens, min(config.max_num_seqs, tokens)))
-        budget = kv_budget(profile, config.gpu_memory_utilization, config.embedding_buffer_bytes)
-        log.info(
-            "GPU memory: %.1f GiB total, warm-up peak %.2f GiB, %.2f GiB outside torch: %.2f GiB for KV",
-            profile.total / 2**30,
-            profile.peak / 2**30,
-            profile.other / 2**30,
-            budget / 2**30,
-        )
-        return budget
+
+def resolve_config(config: EngineConfig, model: torch.nn.Module, max_context: int) -> EngineConfig:
+    """``config`` with every automatic setting resolved for ``model`` but the KV bytes (which need the device):
+    the attention backend (``choose_backend``), the block size (the backend's when 0), the decode graph mode
+    (``resolve_graph_mode``) and the max model length (``max_context``, the model's, when unset). ValueError when
+    the model's weights are not in ``config.dtype``."""
+    dtype = config.torch_dtype
+    model_dtype = model.get_input_embeddings().weight.dtype
+    if model_dtype != dtype:
+        raise ValueError(f"EngineConfig.dtype is {dtype} but the model's weights are {model_dtype}")
+    device = torch.device(config.device)
+    head_dim = KVShape.of(model).head_dim
+    name = choose_backend(config.attention_backend, device, dtype, head_dim, config.block_size)
+    return dataclasses.replace(
+        config,
+        attention_backend=name,
+        block_size=config.block_size or default_block_size(name),
+        cuda_graphs=resolve_graph_mode(config.cuda_graphs, device, name, _rope_type(model)),
+        max_model_len=config.max_model_len or max_context,
+    )
 
 
 def resolve_graph_mode(requested: str, device: torch.device, backend: str, rope_type: str) -> str:
