@@ -147,6 +147,7 @@ class ModelAdapter(Protocol):
     eos_token_ids: list[int]
     max_context: int
     hidden_size: int
+    vocab_size: int
     tokenizer: Any
     packed_vision_attention: bool
     """True when the vision tower takes transformers' packed varlen attention path over a whole batch (Qwen2-VL's

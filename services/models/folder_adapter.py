@@ -37,6 +37,7 @@ class FolderAdapter:
         self.eos_token_ids: list[int] = eos
         self.max_context: int = int(config.text_config.max_position_embeddings)
         self.hidden_size: int = int(config.text_config.hidden_size)
+        self.vocab_size: int = int(config.text_config.vocab_size)  # the logits' width (lm_head's rows)
         self.special_tokens: list[str] = []
         if tokenizer is not None:
             self.special_tokens = sorted(set(tokenizer.added_tokens_encoder) | set(tokenizer.all_special_tokens))

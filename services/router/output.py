@@ -119,7 +119,10 @@ class ChoiceStream:
         if self.finish_reason:
             return None
         self.completion_tokens += len(response.token_ids)
-        delta = self.detok.add(list(response.token_ids))
+        token_ids = list(response.token_ids)
+        if response.finished and response.finish_reason == "stop" and token_ids:
+            token_ids.pop()  # the eos or stop_token_ids entry that ended it: in token_ids, not in the text (vLLM)
+        delta = self.detok.add(token_ids)
         text = delta.text + (self.detok.flush() if response.finished and not delta.stopped else "")
         if delta.stopped or response.finished:
             self.finish_reason = "stop" if delta.stopped else response.finish_reason

@@ -8,7 +8,8 @@ from services.worker.engine.request import EngineRequest, SamplingOptions, StepO
 
 
 def engine_request(request: worker_pb2.WorkerRequest) -> EngineRequest:
-    """The engine's request for a router's: unset top_p is 1, n at least 1, seed and logprobs None when unset."""
+    """The engine's request for a router's: unset top_p and repetition_penalty are 1, n at least 1, seed and
+    logprobs None when unset; ``bad_words`` are the router's token-id sequences (``bad_words_token_ids``)."""
     sampling = request.sampling
     return EngineRequest(
         request_id=request.request_id,
@@ -23,6 +24,14 @@ def engine_request(request: worker_pb2.WorkerRequest) -> EngineRequest:
             ignore_eos=sampling.ignore_eos,
             n=max(sampling.n, 1),
             logprobs=sampling.logprobs if sampling.HasField("logprobs") else None,
+            repetition_penalty=sampling.repetition_penalty or 1.0,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            min_p=sampling.min_p,
+            min_tokens=sampling.min_tokens,
+            stop_token_ids=tuple(sampling.stop_token_ids),
+            bad_words=tuple(tuple(word.ids) for word in sampling.bad_words_token_ids),
+            logit_bias=tuple(sorted(sampling.logit_bias.items())),
         ),
         cache_salt=request.cache_salt,
         generated_tokens=request.generated_tokens,

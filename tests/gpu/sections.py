@@ -212,11 +212,16 @@ def _working_engine(adapter: Any, model: Any, config: EngineConfig, out: dict[st
 
 
 def _syncs_per_step(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
-    """Host synchronisations CUDA reports per engine step (``set_sync_debug_mode``): one is the sampled ids."""
+    """Host synchronisations CUDA reports per engine step (``set_sync_debug_mode``): one is the sampled ids. Every
+    other request is seeded with every logits processor (penalties, bad words, bias, min_tokens) and min-p."""
     if engine.runner.device.type != "cuda":
         return {"skipped": "CUDA only (the CPU test counts host reads instead: tests/unit/test_host_sync.py)"}
+    processed = SamplingOptions(max_tokens=new_tokens, ignore_eos=True, temperature=0.8, seed=1, min_p=0.05,
+                                repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5, min_tokens=2,
+                                bad_words=((5,), (6, 7)), logit_bias=((8, 1.0),))  # fmt: skip
     for i, ids in enumerate(prompts):
-        engine.add_request(EngineRequest(f"sync-{i}", ids, [], SamplingOptions(max_tokens=new_tokens, ignore_eos=True)))
+        sampling = processed if i % 2 else SamplingOptions(max_tokens=new_tokens, ignore_eos=True)
+        engine.add_request(EngineRequest(f"sync-{i}", ids, [], sampling))
     counts = []
     torch.cuda.set_sync_debug_mode("warn")
     try:

@@ -2,7 +2,8 @@
 
 Per-token logprobs match the chunk's tokens and transformers' `generate` (raw log-softmax, token text filled by
 the router); seeded choices reproduce; greedy choices equal `generate`; stop strings end each choice on its own;
-bad values are INVALID_ARGUMENT naming the field; and afterwards every KV block is free again.
+bad values are INVALID_ARGUMENT naming the field; vLLM's sampling options equal `generate` with the matching
+logits processors; and afterwards every KV block is free again.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from services.client import Client, user_request
 from services.common.registry import Registry
-from services.common.rpc.epd.v1 import generation_pb2
+from services.common.rpc.epd.v1 import common_pb2, generation_pb2
 from services.launch.local import ClusterSpec, LocalCluster, start_cluster
 from services.models.base import ChatMessage, ChatPart
 from tests import media_factory
@@ -163,6 +164,43 @@ def test_bad_n_or_logprobs_is_invalid_argument(cluster: Client, fields: dict[str
             call(sampled(PROMPT, [], **fields))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
         assert needle in info.value.details()
+
+
+def test_vllm_sampling_options_equal_generate(cluster: Client, model_dir: Path) -> None:
+    """Penalties, min_p, bad words (strings the router tokenizes), logit_bias, min_tokens and stop_token_ids on a
+    seeded image request equal `generate` with the matching logits processors; the stop id that ends it (forced
+    by its bias once min_tokens allow) is the last token id, not in the text; a bad value is refused naming it."""
+    from services.common.rpc.epd.v1 import worker_pb2
+    from services.models.registry import load_adapter
+    from services.router.processor_params import check_processor_params
+    from services.worker.messages import engine_request
+    from tests.oracle_processors import hf_generate_with
+
+    adapter = load_adapter(model_dir)
+    stop_id = adapter.tokenizer.encode("cat", add_special_tokens=False)[-1]
+    data = media_factory.png(96, 72, seed=33)
+    fields = {"temperature": 0.8, "seed": 77, "repetition_penalty": 1.5, "presence_penalty": 0.5,
+              "frequency_penalty": 0.25, "min_p": 0.125, "min_tokens": 6}  # fmt: skip
+    request = sampled(PROMPT, [data], **fields)
+    request.sampling.stop_token_ids.append(stop_id)
+    request.sampling.bad_words.extend(["the picture", "hello"])
+    request.sampling.logit_bias[stop_id] = 100.0
+    answer = ask(cluster, request)
+    (choice,) = answer.choices.values()
+    routed = common_pb2.SamplingParams()
+    routed.CopyFrom(request.sampling)
+    check_processor_params(routed, adapter.tokenizer, adapter.vocab_size)
+    opts = engine_request(worker_pb2.WorkerRequest(request_id="x", token_ids=[1], sampling=routed)).sampling
+    assert len(opts.bad_words) >= 2
+    messages = [ChatMessage("user", [ChatPart("image"), ChatPart("text", PROMPT)])]
+    oracle = hf_generate_with(model_dir, messages, [decoded(data)], opts, adapter.eos_token_ids)
+    assert choice.token_ids == oracle and len(oracle) == 7 and oracle[-1] == stop_id
+    assert answer.final.finish_reason == "stop"
+    assert choice.text == adapter.tokenizer.decode(oracle[:-1], skip_special_tokens=True)
+    with pytest.raises(grpc.RpcError) as info:
+        cluster.generate(sampled(PROMPT, [], repetition_penalty=float("nan")))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.repetition_penalty" in info.value.details()
 
 
 def test_every_block_is_free_afterwards(cluster: Client, redis_server: RedisServer) -> None:

@@ -68,7 +68,10 @@ SAMPLINGS = [
     SamplingOptions(max_tokens=6, temperature=0.7, top_p=0.5, seed=9),
     SamplingOptions(max_tokens=12, temperature=0.9, seed=5, n=3, logprobs=4, ignore_eos=True),  # logprobs rows
     SamplingOptions(max_tokens=10, logprobs=0, ignore_eos=True),
-]
+    SamplingOptions(max_tokens=8, temperature=0.9, seed=2, min_p=0.1, repetition_penalty=1.3, frequency_penalty=0.5,
+                    presence_penalty=0.2, min_tokens=3, bad_words=((5,), (7, 9)), logit_bias=((11, 2.0),),
+                    stop_token_ids=(13,)),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -76,7 +79,7 @@ SAMPLINGS = [
 )
 def test_one_host_read_per_sampling_step(loaded: tuple[Any, Any], backend: str, graphs: str) -> None:
     """Mixed steps (chunked prefill with images, decodes, greedy and seeded top-k/top-p rows, rows with logprobs
-    and without, a request of three choices), arrivals staggered."""
+    and without, a request of three choices, a row with every logits processor and min-p), arrivals staggered."""
     adapter, model = loaded
     config = EngineConfig(kv_cache_bytes=4 << 20, attention_backend=backend, cuda_graphs=graphs, max_num_seqs=8,
                           max_num_batched_tokens=40, max_model_len=1024)  # fmt: skip
@@ -88,6 +91,7 @@ def test_one_host_read_per_sampling_step(loaded: tuple[Any, Any], backend: str, 
         build_prompt(adapter, model, ["short"]),
         build_prompt(adapter, model, ["three answers about", image(84, 84, 4), "this picture, please " * 3]),
         build_prompt(adapter, model, ["greedy with the sampled token's logprob"]),
+        build_prompt(adapter, model, ["penalties, bad words, a bias", image(56, 84, 5)]),
     ]
     for prompt in prompts:
         for mm_hash, tensor in prompt.embeddings.items():

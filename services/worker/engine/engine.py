@@ -15,6 +15,7 @@ from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.embeddings import EmbeddingPool, EmbeddingStats
 from services.worker.engine.itl_target import ItlTarget
+from services.worker.engine.logits_processors import check_token_ids
 from services.worker.engine.model_runner import ModelRunner
 from services.worker.engine.request import EngineRequest, KVState, StepOutput
 from services.worker.engine.sampler import Sampler, reseed_for_position
@@ -53,8 +54,9 @@ class Engine:
         )
         self.scheduler = Scheduler(config, self.block_manager, self.embeddings, self.itl_target)
         self.on_step: Callable[[StepTiming], None] | None = None
-        self.sampler = Sampler(config.seed, self.runner.io)
         self.eos_token_ids = frozenset(adapter.eos_token_ids)
+        self.sampler = Sampler(config.seed, self.runner.io, self.eos_token_ids)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]  # the logits' width
         self.max_model_len = self.runner.max_model_len
         self.requests: dict[str, list[Sequence]] = {}
         self._stalled = False  # the last step scheduled nothing and nothing has changed since
@@ -142,7 +144,7 @@ class Engine:
         if seqs:  # the step's one device-to-host copy: token ids and any logprobs together
             options = [s.sampling for s in seqs]
             generators = [reseed_for_position(s.generator, s.sampling.seed, s.num_tokens) for s in seqs]
-            sampled = self.sampler.sample_to_host(run.logits, options, generators)
+            sampled = self.sampler.sample_to_host(run.logits, options, generators, seqs)
         timed = bool(seqs) or self.runner.device.type != "cuda"
         end = time.perf_counter()
         if timed:
@@ -243,6 +245,7 @@ class Engine:
                 f"new tokens exceed the model's {self.max_model_len}"
             )
         self._validate_media(seq)
+        check_token_ids(seq.sampling, self.vocab_size, seq.token_ids[seq.output_start :])
         projected = seq.num_prompt_tokens + max(seq.sampling.n, 1) * seq.sampling.max_tokens
         self.scheduler.ledger.check_fits(seq.request_id, num_blocks, projected)
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from services.models.media_span import MediaSpan
 
@@ -16,6 +18,15 @@ class SamplingOptions:
 
     ``n`` choices run as ``n`` sequences; with a ``seed``, choice i draws from ``seed + i``. ``logprobs``: None
     = none; 0 = the sampled token's log-probability; k = also the k most likely tokens (raw logits' softmax).
+
+    vLLM's logits processors, each off at its default (logits_processors.py applies them, in this order):
+    ``bad_words`` (token-id sequences: the last id is banned where the output ends with the rest; a one-id word
+    always), ``min_tokens`` (eos, unless ``ignore_eos``, and ``stop_token_ids`` banned until that many output
+    tokens), ``logit_bias`` ((token id, bias) pairs added to the logits), ``repetition_penalty`` (the logits of
+    tokens in the prompt or the output divided by it when positive, multiplied when not), ``frequency_penalty``
+    and ``presence_penalty`` (subtracted per occurrence, and once, for tokens in the output); then temperature,
+    top-k, top-p and ``min_p`` (tokens below ``min_p`` x the top token's probability dropped). "Output" counts
+    the tokens a previous worker generated (a migrated request's ``generated_tokens``).
     """
 
     max_tokens: int = 16
@@ -27,6 +38,30 @@ class SamplingOptions:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @cached_property
+    def processes_logits(self) -> bool:
+        """True when a logits processor before temperature is on (``min_p`` is part of sampling itself); kept
+        after its first reading, as the options never change (the sampler asks per row per step)."""
+        return bool(
+            self.repetition_penalty != 1
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.min_tokens
+            or self.bad_words
+            or self.logit_bias
+        )
+
+    @cached_property
+    def penalizes(self) -> bool:
+        return self.repetition_penalty != 1 or bool(self.presence_penalty or self.frequency_penalty)
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -41,6 +76,28 @@ class SamplingOptions:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be within [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        check_processor_options(self)
+
+
+def check_processor_options(opts: SamplingOptions) -> None:
+    """ValueError naming the first logits-processor option out of its bounds (NaN and infinities included)."""
+    if not 0 < opts.repetition_penalty < math.inf:
+        raise ValueError(f"repetition_penalty must be > 0 and finite, got {opts.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(opts, name) <= 2:
+            raise ValueError(f"{name} must be within [-2, 2], got {getattr(opts, name)}")
+    if not 0 <= opts.min_p <= 1:
+        raise ValueError(f"min_p must be within [0, 1], got {opts.min_p}")
+    if opts.min_tokens < 0:
+        raise ValueError(f"min_tokens must be >= 0, got {opts.min_tokens}")
+    if any(not word or min(word) < 0 for word in opts.bad_words):
+        raise ValueError("bad_words: every word is a non-empty sequence of token ids")
+    if any(token < 0 or not -100 <= bias <= 100 for token, bias in opts.logit_bias):
+        raise ValueError("logit_bias: token ids >= 0, biases within [-100, 100]")
+    if len({token for token, _ in opts.logit_bias}) < len(opts.logit_bias):
+        raise ValueError("logit_bias: each token id at most once")
+    if any(token < 0 for token in opts.stop_token_ids):
+        raise ValueError("stop_token_ids must be >= 0")
 
 
 @dataclass

@@ -1,37 +1,51 @@
-"""Next-token sampling on the logits' device: greedy, temperature, top-k, top-p, per-request seed, logprobs."""
+"""Next-token sampling on the logits' device: logits processors, greedy, temperature, top-k, top-p, min-p,
+per-request seed, logprobs."""
 
 from __future__ import annotations
 
 import torch
 
 from services.worker.engine.host_device import HostDevice
+from services.worker.engine.logits_processors import TokenHistory, process_logits, processing_rows
 from services.worker.engine.request import SamplingOptions, TokenLogprobs
 
 
 class Sampler:
     """Turns the logits of the sampling rows into token ids, without leaving the device.
 
-    Greedy rows take the first argmax (as transformers' ``generate``). The other rows, together: divide by
-    the temperature, keep the top-k values (ties kept), then the smallest set holding top-p of the mass,
-    then draw by an exponential race, ``argmax(p / E)`` with ``E ~ Exp(1)`` (the same distribution as
+    First the rows that ask for vLLM's logits processors (penalties, bad words, min_tokens, logit_bias) get
+    them (logits_processors.py; rows that ask for none are not touched). Greedy rows take the first argmax
+    (as transformers' ``generate``). The other rows, together: divide by the temperature, keep the top-k
+    values (ties kept), then the smallest set holding top-p of the mass, then the tokens with at least
+    min-p x the top token's probability (transformers' order of its warpers; vLLM applies min-p before
+    top-k/top-p), then draw by an exponential race, ``argmax(p / E)`` with ``E ~ Exp(1)`` (the same distribution as
     ``multinomial``, with no host sync). Each row's ``E`` comes from its request's own device generator
     when it has a seed, so a seeded request draws the same numbers alone or in any batch; else from the
     sampler's shared generator. A seeded row's generator is reseeded for each token from the seed and the
     token's position (``position_seed``), so the draws depend on nothing else: a request continued elsewhere
     with its prompt plus the tokens generated so far (a router migration) draws the same numbers. The few
     per-row parameters go up through ``io`` (pinned, non-blocking).
-    Log-probabilities are the log-softmax of the raw logits, computed here too; ``sample_to_host`` brings the
-    ids and them back in one copy.
+    Log-probabilities are the log-softmax of the raw logits (before any processor), computed here too;
+    ``sample_to_host`` brings the ids and them back in one copy.
     """
 
-    def __init__(self, seed: int, io: HostDevice) -> None:
+    def __init__(self, seed: int, io: HostDevice, eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.io = io
         self.generator = torch.Generator(device=io.device).manual_seed(seed)
+        self.eos_token_ids = eos_token_ids  # what min_tokens holds back (with each request's stop_token_ids)
 
     def sample(
-        self, logits: torch.Tensor, options: list[SamplingOptions], generators: list[torch.Generator | None]
+        self,
+        logits: torch.Tensor,
+        options: list[SamplingOptions],
+        generators: list[torch.Generator | None],
+        histories: list[TokenHistory] | None = None,
     ) -> torch.Tensor:
-        """One token id per row of ``logits [N, vocab]`` as a ``[N]`` int64 tensor on the logits' device."""
+        """One token id per row of ``logits [N, vocab]`` as a ``[N]`` int64 tensor on the logits' device;
+        ``histories`` (each row's sequence) is needed when a row's options process logits."""
+        processed = processing_rows(options, histories)
+        if processed:
+            logits = process_logits(logits, processed, options, histories, self.eos_token_ids, self.io)  # type: ignore[arg-type]
         tokens = logits.argmax(dim=-1)
         drawn = [i for i, opts in enumerate(options) if opts.temperature > 0]
         if not drawn:
@@ -39,17 +53,23 @@ class Sampler:
         chosen = [options[i] for i in drawn]
         rows, vocab = len(drawn), logits.shape[-1]
         filtered = any(0 < o.top_k < vocab or 0 < o.top_p < 1 for o in chosen)
+        min_p = any(o.min_p > 0 for o in chosen)
         ints, floats = list(drawn), [o.temperature for o in chosen]
         if filtered:
             ints += [o.top_k if 0 < o.top_k < vocab else vocab for o in chosen]
             floats += [o.top_p if 0 < o.top_p < 1 else 1.0 for o in chosen]
+        if min_p:
+            floats += [o.min_p for o in chosen]
         int_params = self.io.upload(ints, torch.int64)  # one upload per dtype: rows (+ top-k), temperatures (+ top-p)
-        float_params = self.io.upload(floats, torch.float32)
+        float_params = self.io.upload(floats, torch.float32)  # (+ min-p)
         index = int_params[:rows]
         scaled = logits.index_select(0, index).float() / float_params[:rows, None]
         if filtered:
-            scaled = filter_top_k_top_p(scaled, int_params[rows:], float_params[rows:])
+            scaled = filter_top_k_top_p(scaled, int_params[rows:], float_params[rows : 2 * rows])
         probs = scaled.softmax(dim=-1)
+        if min_p:
+            scaled = filter_min_p(scaled, probs, float_params[-rows:])
+            probs = scaled.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, i in enumerate(drawn):
             if generators[i] is not None:
@@ -58,10 +78,15 @@ class Sampler:
         return tokens.index_copy(0, index, (probs / noise).argmax(dim=-1))
 
     def sample_to_host(
-        self, logits: torch.Tensor, options: list[SamplingOptions], generators: list[torch.Generator | None]
+        self,
+        logits: torch.Tensor,
+        options: list[SamplingOptions],
+        generators: list[torch.Generator | None],
+        histories: list[TokenHistory] | None = None,
     ) -> list[tuple[int, TokenLogprobs | None]]:
-        """Per row: the sampled token id and, when its request asks, its logprobs; one device-to-host copy."""
-        packed = pack_logprobs(logits, self.sample(logits, options, generators), options)
+        """Per row: the sampled token id and, when its request asks, its logprobs (of the raw logits); one
+        device-to-host copy."""
+        packed = pack_logprobs(logits, self.sample(logits, options, generators, histories), options)
         return unpack_logprobs(self.io.to_host(packed), options)
 
 
@@ -112,6 +137,13 @@ def filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     drop = (before >= top_p[:, None]) & (top_p[:, None] < 1)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(scaled).scatter_(1, order, sorted_logits)
+
+
+def filter_min_p(scaled: torch.Tensor, probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """``scaled [R, vocab]`` with the tokens whose probability (``probs``, its softmax) is below ``min_p [R]``
+    x the row's top probability set to -inf (0 = off; the top token always stays), as transformers'
+    ``MinPLogitsWarper``."""
+    return scaled.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
 
 
 _GOLDEN = 0x9E3779B97F4A7C15

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Container
 from enum import Enum, auto
 
@@ -108,6 +109,16 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def output_start(self) -> int:
+        """Where the output starts in ``token_ids`` for the logits processors: a previous worker's tokens count."""
+        return self.num_prompt_tokens - self.num_generated_before
+
+    @functools.cached_property
+    def distinct_prompt_ids(self) -> tuple[int, ...]:
+        """The distinct ids before ``output_start`` (what a repetition penalty reads of the prompt), once."""
+        return tuple(set(self.token_ids[: self.output_start]))
 
     @property
     def is_finished(self) -> bool:
