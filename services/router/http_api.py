@@ -1,18 +1,21 @@
-"""The OpenAI-compatible HTTP API (FastAPI): chat completions, count_tokens, models, health.
+"""The OpenAI-compatible HTTP API (FastAPI): chat and text completions, count_tokens, tokenize, models, health.
 
-Invariants: a chat completion runs through the router's one generation path (`generate_stream`, the
-same admission, limits, safe fetch and metrics as gRPC's Generate) and is answered from the same
-`GenerateResponse` stream. Every `/v1` route authenticates first (the `Authorization: Bearer` key
-names the tenant; a missing or wrong key is 401 before the body is read); `/health` stays open. A
-client that disconnects, before or during the answer, cancels the generation, which frees the
-request's KV blocks on its worker. No request waits past the router's
-request timeout (504). Every error answer is OpenAI's error JSON (services/router/http_errors.py).
+Invariants: a chat or text completion runs through the router's one generation path (`generate_stream`,
+the same admission, limits, safe fetch and metrics as gRPC's Generate) and is answered from the same
+`GenerateResponse` stream; a body refused before it reaches that path is counted as an invalid request
+all the same. Every `/v1` route and `/tokenize`, `/detokenize` authenticate first (the `Authorization:
+Bearer` key names the tenant; a missing or wrong key is 401 before the body is read); `/health`,
+`/version`, `/openapi.json` and `/docs` stay open. A client that disconnects, before or during the
+answer, cancels the generation, which frees the request's KV blocks on its worker. No request waits past
+the router's request timeout (504). Every error answer is OpenAI's error JSON in the HTTP API's own field
+names (services/router/http_errors.py); a 405 names the allowed methods in `Allow`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -23,7 +26,7 @@ from typing import Any, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -37,15 +40,24 @@ from services.router.http_errors import (
     internal,
     too_large_body,
 )
-from services.router.openai_request import ChatCompletionRequest, generate_request
+from services.router.openai_request import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    completion_request,
+    generate_request,
+)
 from services.router.openai_response import (
     DONE,
     ChunkWriter,
     CompletionBuilder,
     Envelope,
+    TextChunkWriter,
+    TextCompletionBuilder,
     sse,
     token_count_json,
 )
+from services.router.openapi_doc import SUMMARIES, openapi_document
+from services.router.tokens_api import DetokenizeRequest, TokenizeRequest, Tokens, tokenize_json
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -76,10 +88,13 @@ class HttpApi:
     generation: Generation
     view: Workers
     count_invalid: Callable[[], None]  # counts a request refused before it reached the generation path
+    count_invalid_count: Callable[[], None]  # the same for count_tokens (CountTokens' own metric)
+    tokens: Tokens
     model_id: str
     max_model_len: int
     request_timeout_s: float
     max_body_bytes: int
+    version: str
 
 
 def served_model_id(model_dir: Path) -> str:
@@ -177,11 +192,19 @@ async def _events(
         yield DONE
 
 
-def _parse(raw: bytes) -> ChatCompletionRequest:
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse(model: type[M], raw: bytes) -> M:
+    """`raw` as a `model` body; HttpError (400) naming the field at fault."""
     try:
-        return ChatCompletionRequest.model_validate_json(raw)
+        return model.model_validate_json(raw)
     except ValidationError as exc:
-        raise from_validation(exc) from exc
+        try:
+            sent = json.loads(raw)
+        except ValueError:
+            sent = None
+        raise from_validation(exc, sent) from exc
 
 
 class Routes:
@@ -195,47 +218,112 @@ class Routes:
         """The caller's tenant; RequestError (401) for a missing or wrong key."""
         return self.api.generation.authenticate(request.headers.getlist("authorization"))
 
-    async def body(self, request: Request) -> ChatCompletionRequest:
-        body = _parse(await read_body(request, self.api.max_body_bytes))
-        if body.model is not None and body.model != self.api.model_id:
+    async def body(self, request: Request, model: type[M]) -> M:
+        body = parse(model, await read_body(request, self.api.max_body_bytes))
+        name = getattr(body, "model", None)
+        if name is not None and name != self.api.model_id:
             raise HttpError(
-                404,
-                f"model {body.model!r} is not served here; use {self.api.model_id!r}",
-                "model_not_found",
-                param="model",
+                404, f"model {name!r} is not served here; use {self.api.model_id!r}", "model_not_found", param="model"
             )
         return body
+
+    async def _admitted(self, request: Request, model: type[M], count: Callable[[], None]) -> M:
+        """The body, or the refusal (counted by `count`) of one that is not a valid request."""
+        try:
+            return await self.body(request, model)
+        except (HttpError, RequestError):
+            count()
+            raise
 
     async def chat_completions(self, request: Request) -> Response:
         tenant = self.tenant(request)
         client_request_id = bind_incoming(request.headers.items())  # `traceparent`, `x-request-id` (kept if valid)
-        try:
-            body = await self.body(request)
-            proto = generate_request(body, client_request_id or uuid.uuid4().hex)
-        except (HttpError, RequestError):
-            self.api.count_invalid()
-            raise
+        body = await self._admitted(request, ChatCompletionRequest, self.api.count_invalid)
+        proto = generate_request(body, client_request_id or uuid.uuid4().hex)
         envelope = Envelope(f"chatcmpl-{proto.request_id}", int(time.time()), self.api.model_id)
-        stream = self.api.generation.generate_stream(proto, None, tenant)
-        timeout_s = self.api.request_timeout_s + DEADLINE_GRACE_S
-        headers = {"X-Request-Id": proto.request_id}
+        logprobs = bool(body.logprobs)
         if body.stream:
-            first = await guarded(request, anext(stream, None), timeout_s)
-            if first is None:
-                raise internal()
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            events = _events(first, stream, ChunkWriter(envelope, body.n, include_usage, body.logprobs))
-            return EventStream(events, headers={**headers, "Cache-Control": "no-cache"})
-        builder = CompletionBuilder(envelope, body.logprobs)
-        await guarded(request, _collect(stream, builder), timeout_s)
-        return JSONResponse(builder.result(), headers=headers)
+            writer = ChunkWriter(envelope, body.choices, body.include_usage, logprobs)
+            return await self._stream(request, tenant, proto, body.field_names(), writer)
+        builder = CompletionBuilder(envelope, logprobs)
+        return await self._whole(request, tenant, proto, body.field_names(), builder)
+
+    async def completions(self, request: Request) -> Response:
+        tenant = self.tenant(request)
+        client_request_id = bind_incoming(request.headers.items())
+        body = await self._admitted(request, CompletionRequest, self.api.count_invalid)
+        proto = completion_request(body, client_request_id or uuid.uuid4().hex)
+        envelope = Envelope(f"cmpl-{proto.request_id}", int(time.time()), self.api.model_id)
+        logprobs = body.logprobs is not None
+        if body.stream:
+            writer = TextChunkWriter(envelope, body.include_usage, logprobs)
+            return await self._stream(request, tenant, proto, body.field_names(), writer)
+        builder = TextCompletionBuilder(envelope, logprobs)
+        return await self._whole(request, tenant, proto, body.field_names(), builder)
+
+    async def _stream(
+        self,
+        request: Request,
+        tenant: str,
+        proto: generation_pb2.GenerateRequest,
+        names: dict[str, str],
+        writer: ChunkWriter | TextChunkWriter,
+    ) -> Response:
+        stream = self.api.generation.generate_stream(proto, None, tenant)
+        try:
+            first = await guarded(request, anext(stream, None), self.api.request_timeout_s + DEADLINE_GRACE_S)
+        except RequestError as exc:
+            raise from_request_error(exc, names) from exc
+        if first is None:
+            raise internal()
+        headers = {"X-Request-Id": proto.request_id, "Cache-Control": "no-cache"}
+        return EventStream(_events(first, stream, writer), headers=headers)
+
+    async def _whole(
+        self,
+        request: Request,
+        tenant: str,
+        proto: generation_pb2.GenerateRequest,
+        names: dict[str, str],
+        builder: CompletionBuilder | TextCompletionBuilder,
+    ) -> Response:
+        stream = self.api.generation.generate_stream(proto, None, tenant)
+        try:
+            await guarded(request, _collect(stream, builder), self.api.request_timeout_s + DEADLINE_GRACE_S)
+        except RequestError as exc:
+            raise from_request_error(exc, names) from exc
+        return JSONResponse(builder.result(), headers={"X-Request-Id": proto.request_id})
 
     async def count_tokens(self, request: Request) -> dict[str, Any]:
         self.tenant(request)
         bind_incoming(request.headers.items())
-        proto = generate_request(await self.body(request), "")
-        count = await guarded(request, self.api.generation.count_tokens(proto), self.api.request_timeout_s)
+        body = await self._admitted(request, ChatCompletionRequest, self.api.count_invalid_count)
+        try:
+            count = await guarded(
+                request, self.api.generation.count_tokens(generate_request(body, "")), self.api.request_timeout_s
+            )
+        except RequestError as exc:
+            raise from_request_error(exc, body.field_names()) from exc
         return token_count_json(count)
+
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        self.tenant(request)
+        body = await self.body(request, TokenizeRequest)
+        try:
+            ids = await guarded(request, self.api.tokens.tokenize(body), self.api.request_timeout_s)
+        except RequestError as exc:
+            raise from_request_error(exc, {}) from exc
+        strs = self.api.tokens.token_strs(ids) if body.return_token_strs else None
+        return tokenize_json(ids, self.api.max_model_len, strs)
+
+    async def detokenize(self, request: Request) -> dict[str, Any]:
+        self.tenant(request)
+        body = await self.body(request, DetokenizeRequest)
+        try:
+            text = await self.api.tokens.detokenize(body.tokens)
+        except RequestError as exc:
+            raise from_request_error(exc, {}) from exc
+        return {"prompt": text}
 
     def model_card(self) -> dict[str, Any]:
         return {
@@ -262,6 +350,9 @@ class Routes:
             raise HttpError(503, "no worker is registered: this router cannot serve requests now", "unavailable")
         return {"status": "ok", "workers": workers}
 
+    async def version(self) -> dict[str, Any]:
+        return {"version": self.api.version}
+
 
 def _install_error_handlers(app: FastAPI) -> None:
     async def on_http_error(_: Request, exc: HttpError) -> Response:
@@ -275,7 +366,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     async def on_starlette(_: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_argument")
-        return HttpError(exc.status_code, str(exc.detail), code).response()
+        return HttpError(exc.status_code, str(exc.detail), code, headers=dict(exc.headers or {})).response()  # Allow
 
     async def on_unexpected(_: Request, __: Exception) -> Response:
         return internal().response()  # Starlette re-raises it afterwards, and uvicorn logs it
@@ -288,13 +379,22 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def build_app(api: HttpApi) -> FastAPI:
-    """The ASGI app; it holds no state of its own beyond `api`."""
-    app = FastAPI(title="epd", docs_url=None, redoc_url=None, openapi_url=None)
+    """The ASGI app; it holds no state of its own beyond `api` (and its OpenAPI document, built once)."""
+    app = FastAPI(title="epd", version=api.version, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     routes = Routes(api)
-    app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
-    app.add_api_route("/v1/count_tokens", routes.count_tokens, methods=["POST"])
-    app.add_api_route("/v1/models", routes.models, methods=["GET"])
-    app.add_api_route("/v1/models/{model_id:path}", routes.model, methods=["GET"])
-    app.add_api_route("/health", routes.health, methods=["GET"])
+    post = {
+        "/v1/chat/completions": routes.chat_completions,
+        "/v1/completions": routes.completions,
+        "/v1/count_tokens": routes.count_tokens,
+        "/tokenize": routes.tokenize,
+        "/detokenize": routes.detokenize,
+    }
+    for path, endpoint in post.items():
+        app.add_api_route(path, endpoint, methods=["POST"], summary=SUMMARIES[path])
+    app.add_api_route("/v1/models", routes.models, methods=["GET"], summary=SUMMARIES["/v1/models"])
+    app.add_api_route("/v1/models/{model_id:path}", routes.model, methods=["GET"], summary="the served model")
+    app.add_api_route("/health", routes.health, methods=["GET"], summary=SUMMARIES["/health"])
+    app.add_api_route("/version", routes.version, methods=["GET"], summary=SUMMARIES["/version"])
+    app.openapi = lambda: openapi_document(app)  # type: ignore[method-assign]
     _install_error_handlers(app)
     return app

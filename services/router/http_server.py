@@ -13,6 +13,7 @@ import logging
 import math
 import socket
 from collections.abc import Awaitable, Callable
+from importlib.metadata import PackageNotFoundError, version
 
 import uvicorn
 
@@ -21,6 +22,7 @@ from services.common.tls import TlsFiles, ssl_context
 from services.router.config import RouterConfig
 from services.router.http_api import Generation, HttpApi, Workers, build_app, max_body_bytes, served_model_id
 from services.router.metrics import RouterMetrics
+from services.router.tokens_api import Preparing, Tokens
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +75,12 @@ async def start_http_server(
 
 
 async def serve_router_http(
-    config: RouterConfig, info: ModelInfo, generation: Generation, view: Workers, metrics: RouterMetrics
+    config: RouterConfig,
+    info: ModelInfo,
+    generation: Generation,
+    view: Workers,
+    metrics: RouterMetrics,
+    prep: Preparing,
 ) -> Callable[[], Awaitable[None]]:
     """The router's HTTP API on config.host:config.http_port over its shared objects; returns its stop
     function (a no-op when `http_port` is 0, HTTP off)."""
@@ -83,13 +90,24 @@ async def serve_router_http(
         generation=generation,
         view=view,
         count_invalid=lambda: metrics.requests.add(1, {"outcome": "invalid_argument"}),
+        count_invalid_count=lambda: metrics.count_tokens.add(1, {"outcome": "invalid_argument"}),
+        tokens=Tokens(info.adapter, prep),
         model_id=served_model_id(info.model_dir),
         max_model_len=info.adapter.max_context,
         request_timeout_s=config.request_timeout_s,
         max_body_bytes=max_body_bytes(config.max_request_bytes),
+        version=epd_version(),
     )
     _, stop = await start_http_server(api, config.host, config.http_port, config.drain_timeout_s, config.public_tls())
     return stop
+
+
+def epd_version() -> str:
+    """The installed epd package's version ("unknown" when run from a checkout that is not installed)."""
+    try:
+        return version("epd")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 async def _nothing() -> None:

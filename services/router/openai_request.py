@@ -1,62 +1,137 @@
-"""OpenAI chat-completion request bodies, validated, and their translation into a `GenerateRequest`.
+"""OpenAI chat and text completion request bodies, validated, and their translation into a `GenerateRequest`.
 
-Invariant: the HTTP API adds no rule of its own about content, media or sampling values; it only
-maps field names. Every `image_url` and `video_url` (a data: URL or an https URL; the latter as vLLM
-accepts it) becomes a `Media.url` of an image or video part, so intake,
-the safe fetcher and every limit treat it exactly as they treat a gRPC request, with the same
-messages. The checks here are about the JSON's shape and the OpenAI fields epd does not serve.
+Invariants: every number is bounded by what the gRPC request carries (uint32, uint64, a finite float32),
+so no body can overflow the proto; NaN and infinity are refused; `null` is "not set" wherever OpenAI
+documents a field nullable. The HTTP API adds no value rule of its own (temperature >= 0, n up to
+EPD_MAX_N, the max_tokens cap, stop limits, media): the router checks those for gRPC and HTTP alike, and
+`field_names` says which HTTP field each `SamplingParams` field came from, so its message names the
+field the client sent. Every `image_url` and `video_url` (a data: URL or an https URL; the latter as
+vLLM accepts it) becomes a `Media.url`, so intake, the safe fetcher and every limit treat it as they
+treat a gRPC request. A field that would change the answer and that epd does not implement is refused
+unless it holds its neutral value (`REFUSED`); other unknown fields (`user`, `metadata`, ...) are ignored.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import json
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from services.common.rpc.epd.v1 import common_pb2, generation_pb2
+from services.router.request_prep import MAX_LOGPROBS
 
 OPENAI_TEMPERATURE = 1.0
 """OpenAI's default when a request sets no temperature (gRPC's default is 0, greedy)."""
+COMPLETION_MAX_TOKENS = 16
+"""OpenAI's (and vLLM's) default `max_tokens` of a text completion."""
+U32 = (1 << 32) - 1
+U64 = (1 << 64) - 1
+F32_MAX = 3.4028234663852886e38  # the largest finite float32: a larger value would reach the engine as inf
 
-# OpenAI fields that would change the answer and that epd does not implement, with their neutral values:
-# a request carrying anything else is refused rather than silently answered differently.
-UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+# Fields that would change the answer and that epd does not implement (OpenAI's, then vLLM's extras), with
+# the values that mean "off" (what leaving the field out means); anything else is refused with 400 naming
+# the field. `best_of` is refused unless it equals `n` (`_check_refused`).
+REFUSED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []),
     "functions": (None, []),
-    "tool_choice": (None, "none"),
-    "function_call": (None, "none"),
+    "tool_choice": (None, "none", "auto"),  # "auto" without tools: none
+    "function_call": (None, "none", "auto"),
     "response_format": (None, {"type": "text"}),
     "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
     "web_search_options": (None,),
+    "suffix": (None, ""),
+    "echo": (None, False),
+    "repetition_penalty": (None, 1),
+    "min_p": (None, 0),
+    "min_tokens": (None, 0),
+    "stop_token_ids": (None, []),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,),
+    "prompt_logprobs": (None,),
+    "logits_processors": (None, []),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_whitespace_pattern": (None,),
+    "structured_outputs": (None,),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "documents": (None, []),
+    "mm_processor_kwargs": (None, {}),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "vllm_xargs": (None, {}),
 }
+ADD_SPECIAL_TOKENS = {"chat": (None, False), "completion": (None, True)}  # vLLM's defaults differ by endpoint
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system turn
+PART_TYPES = ("text", "image_url", "video_url")
 
 
-class ImageURL(BaseModel):
+class FieldError(ValueError):
+    """A refusal from a model's own check, about `field` of the object being checked (its `param`); the
+    message starts with the field's name."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class ApiModel(BaseModel):
+    """Every body object: NaN and infinity are refused wherever a number is taken."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+
+Float32 = Annotated[float, Field(ge=-F32_MAX, le=F32_MAX)]
+Text = Annotated[str, Field(min_length=1)]
+
+
+def _needs(**conditions: Any) -> dict[str, Any]:
+    """JSON schema: a field present only with another field's value (`stream_options` needs `stream: true`),
+    so generated and hand-written bodies alike know the rule the validator enforces."""
+    return {
+        "dependentSchemas": {
+            field: {"required": [other], "properties": {other: {"const": value}}}
+            for field, (other, value) in conditions.items()
+        }
+    }
+
+
+class ImageURL(ApiModel):
     url: str
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class TextPart(BaseModel):
+class TextPart(ApiModel):
     type: Literal["text"]
     text: str
 
 
-class ImagePart(BaseModel):
+class ImagePart(ApiModel):
     type: Literal["image_url"]
     image_url: ImageURL
 
 
-class VideoURL(BaseModel):
+class VideoURL(ApiModel):
     url: str
 
 
-class VideoPart(BaseModel):
+class VideoPart(ApiModel):
     type: Literal["video_url"]
     video_url: VideoURL
 
@@ -64,52 +139,178 @@ class VideoPart(BaseModel):
 ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
-class Message(BaseModel):
-    role: str
-    content: str | list[ContentPart]
+Content = str | list[ContentPart]
+
+
+class Turn(ApiModel):
+    """What every message has besides its role and content: an optional `name` (accepted, not rendered);
+    fields that would change the prompt and that epd does not render are refused."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
     name: str | None = None
 
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class ChatCompletionRequest(BaseModel):
-    """The body of `POST /v1/chat/completions` (and of `/v1/count_tokens`); unknown fields are ignored."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    messages: list[Message]
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = Field(None, ge=0, lt=1 << 64)
-    stop: str | list[str] | None = None
-    n: int = Field(1, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    # epd's own fields (extra_body in the openai client)
-    top_k: int | None = Field(None, ge=-1, description="0 or -1: off")
-    ignore_eos: bool = False
-    cache_salt: str = ""
-
     @model_validator(mode="after")
-    def _supported(self) -> ChatCompletionRequest:
-        for name, neutral in UNSUPPORTED.items():
-            if (self.model_extra or {}).get(name) not in neutral:
-                raise ValueError(f"{name} is not supported by this server")
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream=true")
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=true")
+    def _check(self) -> Turn:
+        for field in ("tool_calls", "function_call", "tool_call_id"):
+            if (self.model_extra or {}).get(field) not in (None, []):
+                raise FieldError(field, f"{field} is not supported by this server yet")
         return self
 
 
-def _content(content: str | list[TextPart | ImagePart | VideoPart]) -> list[generation_pb2.ContentPart]:
+class SystemMessage(Turn):
+    role: Literal["system", "developer"]
+    content: Content
+
+
+class UserMessage(Turn):
+    role: Literal["user"]
+    content: Content
+
+
+class AssistantMessage(Turn):
+    role: Literal["assistant"]
+    content: Content | None = Field(None, description="null or absent: an empty turn")
+
+
+Message = Annotated[SystemMessage | UserMessage | AssistantMessage, Field(discriminator="role")]
+
+
+class StreamOptions(ApiModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    include_usage: bool | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> StreamOptions:
+        if (self.model_extra or {}).get("continuous_usage_stats"):
+            raise FieldError("continuous_usage_stats", "continuous_usage_stats is not supported by this server yet")
+        return self
+
+
+def refusal(name: str, value: Any, neutral: tuple[Any, ...]) -> FieldError | None:
+    if value in neutral:
+        return None
+    hint = f" (or send {json.dumps(neutral[1])})" if len(neutral) > 1 else ""
+    return FieldError(name, f"{name} is not supported by this server yet; leave it out{hint}")
+
+
+class GenerationFields(ApiModel):
+    """What chat and text completions share: sampling, streaming, and epd's own fields."""
+
+    model_config = ConfigDict(
+        extra="allow", allow_inf_nan=False, json_schema_extra=_needs(stream_options=("stream", True))
+    )
+    endpoint: ClassVar[str] = "chat"
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1, le=U32)
+    temperature: Float32 | None = Field(None, description="default 1; 0 is greedy")
+    top_p: Float32 | None = Field(None, description="default 1 (off)")
+    seed: int | None = Field(None, ge=0, le=U64)
+    stop: str | list[str] | None = None
+    n: int | None = Field(None, ge=1, le=U32, description="choices; default 1")
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    # epd's and vLLM's own fields (extra_body in the openai client)
+    top_k: int | None = Field(None, ge=-1, le=U32, description="0 or -1: off")
+    ignore_eos: bool | None = None
+    cache_salt: str | None = None
+
+    @property
+    def choices(self) -> int:
+        return self.n or 1
+
+    @model_validator(mode="after")
+    def _check_refused(self) -> GenerationFields:
+        extra = self.model_extra or {}
+        refused = {**REFUSED, "add_special_tokens": ADD_SPECIAL_TOKENS[self.endpoint]}
+        for name, neutral in refused.items():
+            error = refusal(name, extra.get(name), neutral)
+            if error is not None:
+                raise error
+        if extra.get("best_of") not in (None, self.choices):
+            raise FieldError("best_of", f"best_of other than n ({self.choices}) is not supported by this server yet")
+        if self.stream_options is not None and not self.stream:
+            raise FieldError("stream_options", "stream_options is only allowed with stream=true")
+        return self
+
+    def base_sampling(self, max_tokens: int) -> common_pb2.SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        sampling = common_pb2.SamplingParams(
+            max_tokens=max_tokens,
+            temperature=OPENAI_TEMPERATURE if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(0, self.top_k or 0),
+            stop=stop,
+            ignore_eos=bool(self.ignore_eos),
+            n=self.choices,
+        )
+        if self.seed is not None:
+            sampling.seed = self.seed
+        return sampling
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(GenerationFields):
+    """The body of `POST /v1/chat/completions` (and of `/v1/count_tokens`)."""
+
+    model_config = ConfigDict(
+        extra="allow",
+        allow_inf_nan=False,
+        json_schema_extra=_needs(stream_options=("stream", True), top_logprobs=("logprobs", True)),
+    )
+
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=U32)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs=true")
+        return self
+
+    def field_names(self) -> dict[str, str]:
+        """`SamplingParams` field -> the HTTP field it came from (where the names differ)."""
+        max_tokens = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+        return {"max_tokens": max_tokens, "logprobs": "top_logprobs"}
+
+
+class CompletionRequest(GenerationFields):
+    """The body of `POST /v1/completions`: one text prompt, no chat template."""
+
+    endpoint: ClassVar[str] = "completion"
+
+    prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=1)] = Field(
+        description="the text, or a list of exactly one text"
+    )
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="the top k alternatives of each token")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_text(cls, value: Any) -> Any:
+        if isinstance(value, list) and value and not all(isinstance(item, str) for item in value):
+            raise ValueError("token-id prompts are not supported by this server yet; send the text")
+        if isinstance(value, list) and len(value) != 1:
+            raise ValueError(f"one prompt per request is supported, got {len(value)}")
+        return value
+
+    @property
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+    def field_names(self) -> dict[str, str]:
+        return {"max_tokens": "max_tokens", "logprobs": "logprobs"}
+
+
+def _content(content: str | list[TextPart | ImagePart | VideoPart] | None) -> list[generation_pb2.ContentPart]:
+    if content is None:  # an assistant turn without text (vLLM renders it as empty)
+        return [generation_pb2.ContentPart(text="")]
     if isinstance(content, str):
         return [generation_pb2.ContentPart(text=content)]
     return [_part(part) for part in content]
@@ -126,29 +327,34 @@ def _part(part: TextPart | ImagePart | VideoPart) -> generation_pb2.ContentPart:
 def sampling_params(body: ChatCompletionRequest) -> common_pb2.SamplingParams:
     """OpenAI's sampling fields as epd's; unset max tokens stay 0 (the router's default applies).
     `logprobs: true` asks for the sampled token's logprob, `top_logprobs: k` also for the top k."""
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    sampling = common_pb2.SamplingParams(
-        max_tokens=body.max_completion_tokens or body.max_tokens or 0,
-        temperature=OPENAI_TEMPERATURE if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=max(0, body.top_k or 0),
-        stop=stop,
-        ignore_eos=body.ignore_eos,
-        n=body.n,
-    )
-    if body.seed is not None:
-        sampling.seed = body.seed
+    sampling = body.base_sampling(body.max_completion_tokens or body.max_tokens or 0)
     if body.logprobs:
         sampling.logprobs = body.top_logprobs or 0
     return sampling
 
 
-def generate_request(body: ChatCompletionRequest, request_id: str) -> generation_pb2.GenerateRequest:
-    """The gRPC request the HTTP body stands for."""
-    messages = [
-        generation_pb2.Message(role=ROLE_ALIASES.get(m.role, m.role), content=_content(m.content))
-        for m in body.messages
+def generation_messages(messages: list[Message]) -> list[generation_pb2.Message]:
+    """The chat turns as gRPC messages."""
+    return [
+        generation_pb2.Message(role=ROLE_ALIASES.get(m.role, m.role), content=_content(m.content)) for m in messages
     ]
+
+
+def generate_request(body: ChatCompletionRequest, request_id: str) -> generation_pb2.GenerateRequest:
+    """The gRPC request the chat body stands for."""
     return generation_pb2.GenerateRequest(
-        request_id=request_id, messages=messages, sampling=sampling_params(body), cache_salt=body.cache_salt
+        request_id=request_id,
+        messages=generation_messages(body.messages),
+        sampling=sampling_params(body),
+        cache_salt=body.cache_salt or "",
+    )
+
+
+def completion_request(body: CompletionRequest, request_id: str) -> generation_pb2.GenerateRequest:
+    """The gRPC request the text completion body stands for: its text as a raw `prompt`."""
+    sampling = body.base_sampling(body.max_tokens or COMPLETION_MAX_TOKENS)
+    if body.logprobs is not None:
+        sampling.logprobs = body.logprobs
+    return generation_pb2.GenerateRequest(
+        request_id=request_id, prompt=body.text, sampling=sampling, cache_salt=body.cache_salt or ""
     )

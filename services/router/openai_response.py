@@ -1,7 +1,8 @@
 """OpenAI response objects built from the `GenerateResponse` stream gRPC's Generate yields.
 
 `chat.completion.chunk` objects for streaming (`ChunkWriter`) and one `chat.completion` for a
-non-streamed answer (`CompletionBuilder`). Invariant: both read the same responses in the same way,
+non-streamed answer (`CompletionBuilder`); `text_completion` objects of `/v1/completions` the same two ways
+(`TextChunkWriter`, `TextCompletionBuilder`). Invariant: both read the same responses in the same way,
 so a choice's streamed deltas concatenate to its non-streamed content, and either equals the text of
 that choice in the gRPC answer to the same request; its logprob entries are the gRPC chunk's
 `logprobs`, one per token, in order; `usage` carries the Final's numbers unchanged.
@@ -150,3 +151,90 @@ def token_count_json(count: generation_pb2.TokenCount) -> dict[str, Any]:
         "projected_tokens": count.projected_tokens,
         "tokens_per_item": list(count.tokens_per_item),
     }
+
+
+def text_logprobs(entries: list[common_pb2.TokenLogprob], offset: int) -> dict[str, Any]:
+    """The legacy completions `logprobs` of `entries` whose text starts at `offset` of the choice's text:
+    `tokens`, `token_logprobs`, `top_logprobs` (token -> logprob, the sampled token included, as vLLM's)
+    and `text_offset`."""
+    offsets, tops = [], []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry.token)
+        top = {t.token: _logprob(t.logprob) for t in entry.top}
+        top.setdefault(entry.token, _logprob(entry.logprob))
+        tops.append(top)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [_logprob(e.logprob) for e in entries],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+@dataclass
+class TextChunkWriter:
+    """Streaming `/v1/completions`: the same `start`/`add` as ChunkWriter, in `text_completion` objects (no
+    role chunk; `choices[i].text`, legacy `logprobs`)."""
+
+    envelope: Envelope
+    include_usage: bool = False
+    logprobs: bool = False
+    offsets: dict[int, int] = field(default_factory=dict)
+
+    def _chunk(self, index: int, text: str, logprobs: Any = None, finish: str | None = None) -> dict[str, Any]:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        extra = {"usage": None} if self.include_usage else {}
+        return self.envelope.wrap("text_completion", choices=[choice], **extra)
+
+    def start(self) -> list[dict[str, Any]]:
+        return []
+
+    def add(self, response: generation_pb2.GenerateResponse) -> list[dict[str, Any]]:
+        if response.HasField("chunk"):
+            chunk = response.chunk
+            if not chunk.text and not (self.logprobs and chunk.logprobs):
+                return []
+            logprobs = None
+            if self.logprobs:
+                offset = self.offsets.get(chunk.index, 0)
+                logprobs = text_logprobs(list(chunk.logprobs), offset)
+                self.offsets[chunk.index] = offset + sum(len(e.token) for e in chunk.logprobs)
+            return [self._chunk(chunk.index, chunk.text, logprobs)]
+        final = response.final
+        out = [self._chunk(index, "", finish=reason) for index, reason in choice_ends(final)]
+        if self.include_usage:
+            out.append(self.envelope.wrap("text_completion", choices=[], usage=usage_json(final.usage)))
+        return out
+
+
+@dataclass
+class TextCompletionBuilder:
+    """Non-streaming `/v1/completions`: the responses gathered into one `text_completion`."""
+
+    envelope: Envelope
+    logprobs: bool = False
+    texts: dict[int, list[str]] = field(default_factory=dict)
+    entries: dict[int, list[common_pb2.TokenLogprob]] = field(default_factory=dict)
+    final: generation_pb2.Final | None = None
+
+    def add(self, response: generation_pb2.GenerateResponse) -> None:
+        if response.HasField("chunk"):
+            self.texts.setdefault(response.chunk.index, []).append(response.chunk.text)
+            self.entries.setdefault(response.chunk.index, []).extend(response.chunk.logprobs)
+        else:
+            self.final = response.final
+
+    def result(self) -> dict[str, Any]:
+        if self.final is None:
+            raise ValueError("the stream ended without a final message")
+        choices = [
+            {
+                "index": index,
+                "text": "".join(self.texts.get(index, [])),
+                "logprobs": text_logprobs(self.entries.get(index, []), 0) if self.logprobs else None,
+                "finish_reason": reason,
+            }
+            for index, reason in choice_ends(self.final)
+        ]
+        return self.envelope.wrap("text_completion", choices=choices, usage=usage_json(self.final.usage))

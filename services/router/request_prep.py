@@ -25,6 +25,7 @@ from services.router.fetch import FetchError, FetchPolicy, fetch_media
 from services.router.intake import IntakeLimits, parse_messages
 from services.router.metrics import RouterMetrics
 from services.router.processor_params import check_processor_params
+from services.router.text_prompt import account_prompt
 
 MAX_LOGPROBS = 20
 """The most top alternatives a request may ask for per token (`sampling.logprobs`), as OpenAI allows."""
@@ -64,7 +65,7 @@ INLINE_TEXT_CHARS = 8192
 
 
 def _is_small_text(request: generation_pb2.GenerateRequest) -> bool:
-    chars = 0
+    chars = len(request.prompt)
     for message in request.messages:
         for part in message.content:
             if part.WhichOneof("part") != "text":
@@ -119,13 +120,12 @@ class RequestPrep:
     def _prepare_sync(self, request: generation_pb2.GenerateRequest) -> Prepared:
         sampling = validate_sampling(request.sampling, self._config)
         check_processor_params(sampling, self._info.adapter.tokenizer, self._info.adapter.vocab_size)
-        try:
-            intake = parse_messages(list(request.messages), self._limits)
-        except RequestError as exc:
-            if isinstance(exc.__cause__, MediaError):
-                self._metrics.media_refusals.add(1, {"reason": str(exc.__cause__.reason)})
-            raise
-        accounted = account(self._info, intake, sampling.max_tokens, sampling.n)  # checks the model's context first
+        if request.prompt:
+            if request.messages:
+                raise invalid("a request has messages or a prompt, not both")
+            accounted = account_prompt(self._info, request.prompt, sampling.max_tokens, sampling.n)
+        else:
+            accounted = self._account_messages(request, sampling)
         if sampling.max_tokens > self._config.max_tokens_cap:
             raise invalid(
                 f"sampling.max_tokens {sampling.max_tokens} is above this server's cap of {self._config.max_tokens_cap}"
@@ -136,6 +136,17 @@ class RequestPrep:
                 f"{self._config.max_projected_tokens}"
             )
         return Prepared(accounted, sampling)
+
+    def _account_messages(
+        self, request: generation_pb2.GenerateRequest, sampling: common_pb2.SamplingParams
+    ) -> Accounted:
+        try:
+            intake = parse_messages(list(request.messages), self._limits)
+        except RequestError as exc:
+            if isinstance(exc.__cause__, MediaError):
+                self._metrics.media_refusals.add(1, {"reason": str(exc.__cause__.reason)})
+            raise
+        return account(self._info, intake, sampling.max_tokens, sampling.n)  # checks the model's context first
 
     async def prepare(self, request: generation_pb2.GenerateRequest) -> Prepared:
         if self._policy is not None:

@@ -59,10 +59,11 @@ async def start_router(config: RouterConfig) -> Callable[[], Awaitable[None]]:
             config.prefix_affinity_weight,
         ),
     )
+    prep = RequestPrep(info, config, metrics)
     servicer = GenerationServicer(
         info,
         config,
-        RequestPrep(info, config, metrics),
+        prep,
         admission,
         EncodeDispatcher(
             view,
@@ -80,7 +81,7 @@ async def start_router(config: RouterConfig) -> Callable[[], Awaitable[None]]:
     binding = grpc_server.ServiceBinding(
         generation_pb2_grpc.add_GenerationServicer_to_server, servicer, "epd.v1.Generation"
     )
-    stop_http = await serve_router_http(config, info, servicer, view, metrics)  # listening before gRPC is healthy
+    stop_http = await serve_router_http(config, info, servicer, view, metrics, prep)  # listening before gRPC is healthy
     public = config.public_tls()
     credentials = None if public is None else tls.server_credentials(public, bool(public.ca_file))
     running = await grpc_server.start_server(config.host, config.port, [binding], credentials, echo_request_id=True)

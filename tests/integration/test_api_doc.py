@@ -33,6 +33,12 @@ EXPECT = {
     "jq -r": ['"object":"chat.completion"', '"image_tokens"'],
     "request.json": ['"object":"chat.completion.chunk"', '"usage":{', "data: [DONE]", '"object":"token_count"'],
     "10.0.0.1": ['"code":"invalid_argument"', "private address 10.0.0.1"],
+    "/detokenize": [
+        '"object":"text_completion"',
+        '"token_strs":[',
+        '"prompt":"The capital of France is"',
+        '"version":',
+    ],
 }
 
 

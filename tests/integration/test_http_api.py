@@ -254,16 +254,21 @@ def _bad_inputs() -> dict[str, tuple[list[str], dict[str, Any]]]:
 
 @pytest.mark.parametrize("name", list(_bad_inputs()))
 def test_bad_input_is_400_with_grpcs_message(api: Api, name: str) -> None:
+    """gRPC's message, in the HTTP API's field names (`sampling.max_tokens` is `max_tokens`), `param` the
+    field or content part at fault."""
     urls, extra = _bad_inputs()[name]
     with pytest.raises(openai.BadRequestError) as info:
         api.openai.chat.completions.create(model=api.model, messages=chat(PROMPT, urls), **extra)
     error = error_body(info.value.response)
     expected = grpc_error(api, grpc_request(PROMPT, urls, max_tokens=extra.get("max_tokens", 0)))
     assert expected.code() == grpc.StatusCode.INVALID_ARGUMENT
+    message = expected.details()
+    param = "max_tokens" if message.startswith("sampling.max_tokens") else message.split(":", 1)[0]
+    assert param in ("max_tokens", "messages[0].content[0]", "messages[0].content[8]"), message
     assert error == {
-        "message": expected.details(),
+        "message": message.removeprefix("sampling."),
         "type": "invalid_request_error",
-        "param": None,
+        "param": param,
         "code": "invalid_argument",
     }
 
@@ -294,7 +299,7 @@ def test_never_fits_is_400(api: Api) -> None:
 
 def test_invalid_bodies_are_400(api: Api) -> None:
     cases = {
-        "messages: Input should be a valid array": {"messages": "hello"},
+        "messages: expected an array, got a string": {"messages": "hello"},
         "tools is not supported": {"messages": chat("hi"), "tools": [{"type": "function"}]},
         "stream_options is only allowed with stream=true": {
             "messages": chat("hi"),

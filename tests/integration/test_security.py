@@ -342,12 +342,15 @@ def test_missing_or_wrong_keys_are_refused_before_any_work(secure: Secure) -> No
         body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
         for key in (None, "wrong-key"):
             with secure.https(key) as http:
-                for path in ("/v1/chat/completions", "/v1/count_tokens"):
+                for path in ("/v1/chat/completions", "/v1/count_tokens", "/tokenize"):
                     answer = http.post(path, json=body, timeout=30)
                     assert answer.status_code == 401, answer.text
                     assert answer.json()["error"]["type"] == "authentication_error"
+                assert http.post("/v1/completions", json={"prompt": "hi"}, timeout=30).status_code == 401
+                assert http.post("/detokenize", json={"tokens": [1]}, timeout=30).status_code == 401
                 assert http.get("/v1/models", timeout=30).status_code == 401
-                assert http.get("/health", timeout=30).status_code == 200  # health stays open
+                for path in ("/health", "/version", "/openapi.json"):  # these stay open
+                    assert http.get(path, timeout=30).status_code == 200, path
         assert asked == [], "a refused request fetched its media URL"
         assert work_done(secure) == before, "a refused request did work (encode, reserve or count)"
         print(
