@@ -206,3 +206,42 @@ def test_the_cli_loads_without_torch() -> None:
     code = "import sys, services.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--image", "{image}", "--max-tokens", "4", "What is this?"],
+        ["count", "--image", "{image}", "hi"],
+        ["health", "{address}"],
+        ["generate", "--help"],
+    ],
+    ids=["generate", "count", "health", "help"],
+)
+def test_client_commands_run_without_torch(argv: list[str], tmp_path: Path) -> None:
+    """A client command run to its end (flags parsed, the image read and sniffed, the request built, the
+    router dialled: nothing listens, so it fails there) loads neither torch nor transformers."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests import media_factory
+
+    image = tmp_path / "cat.png"
+    image.write_bytes(media_factory.png(32, 32, seed=1))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"  # closed again: nothing listens there
+    args = [a.format(image=image, address=address) for a in argv]
+    if argv[0] in ("generate", "count") and "--help" not in argv:
+        args += ["--address", address]
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print(sorted(m for m in ('torch', 'transformers') if m in sys.modules)))\n"
+        "from services.cli import main\n"
+        f"sys.exit(main({args!r}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
+    if "--help" not in argv:
+        assert done.returncode == 1, done.stdout + done.stderr  # it got as far as the call
