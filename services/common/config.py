@@ -123,6 +123,9 @@ class ServiceConfig:
     host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "bind address"})
     port: int = dataclasses.field(default=0, metadata={"help": "gRPC port"})
     metrics_port: int = dataclasses.field(default=9400, metadata={"help": "Prometheus port, 0 = off"})
+    health_port: int = dataclasses.field(
+        default=0, metadata={"help": "plaintext gRPC health on 127.0.0.1 only (probes with TLS on), 0 = off"}
+    )
     advertise_addr: str = dataclasses.field(default="", metadata={"help": "host:port others dial"})
     log_level: str = dataclasses.field(default="INFO", metadata={"help": "logging level"})
     log_format: str = dataclasses.field(
@@ -153,8 +156,9 @@ class ServiceConfig:
             raise ConfigError(f"{env_name('log_format')}: {self.log_format!r} is not text or json")
         if self.dtype not in {"float32", "bfloat16", "float16"}:
             raise ConfigError(f"{env_name('dtype')}: unknown dtype {self.dtype!r}")
-        if not 0 <= self.port < 65536:
-            raise ConfigError(f"{env_name('port')}: {self.port} is not a port")
+        for name in ("port", "health_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ConfigError(f"{env_name(name)}: {getattr(self, name)} is not a port")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"{env_name('drain_timeout_s')} must not be negative, got {self.drain_timeout_s}")
         tls = {name: getattr(self, name) for name in ("tls_cert_file", "tls_key_file", "tls_ca_file")}

@@ -1,4 +1,10 @@
-"""Building an asyncio gRPC server with health checking and reflection on every service."""
+"""Building an asyncio gRPC server with health checking and reflection on every service.
+
+With a health port, the same health servicer also answers on a plaintext listener bound to 127.0.0.1 that
+serves nothing else: the pod's probes ask it where the service port speaks TLS (the kubelet's gRPC probe has
+none, and a router's public pair or public client CA may not be the cluster's), so every probe in every TLS
+mode reads the one status `grpc.health.v1` answers on the service port.
+"""
 
 from __future__ import annotations
 
@@ -25,9 +31,12 @@ class ServiceBinding:
 
 @dataclass
 class RunningServer:
+    """A started server; ``health_listener`` is the loopback health listener (None without a health port)."""
+
     server: grpc.aio.Server
     health: health.aio.HealthServicer
     port: int
+    health_listener: grpc.aio.Server | None = None
 
     async def set_serving(self, names: Sequence[str], serving: bool = True) -> None:
         """Health of the whole server ("") and of each named service: SERVING, or NOT_SERVING."""
@@ -38,6 +47,8 @@ class RunningServer:
     async def stop(self, grace_s: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        if self.health_listener is not None:
+            await self.health_listener.stop(0)
 
 
 async def start_server(
@@ -47,12 +58,14 @@ async def start_server(
     credentials: grpc.ServerCredentials | None = None,
     echo_request_id: bool = False,
     serving: bool = True,
+    health_port: int = 0,
 ) -> RunningServer:
     """Start a server on host:port (port 0 picks a free one) with health and reflection; over TLS when
     `credentials` (services/common/tls.py), else plaintext. Health and reflection share the port and its TLS.
     Every method runs with the caller's trace context and request id bound (services/common/rpc_context.py);
     `echo_request_id` sends a client's `x-request-id` back (the public API). With `serving=False` health says
-    NOT_SERVING until the caller calls `set_serving` (a service that must register first)."""
+    NOT_SERVING until the caller calls `set_serving` (a service that must register first). A `health_port`
+    starts the loopback health listener (`start_health_listener`) on it."""
     server = grpc.aio.server(
         interceptors=[ServerContextInterceptor(echo=echo_request_id)],
         options=[
@@ -74,9 +87,21 @@ async def start_server(
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
     await server.start()
-    running = RunningServer(server, health_servicer, bound)
+    listener = await start_health_listener(health_servicer, health_port) if health_port else None
+    running = RunningServer(server, health_servicer, bound, listener)
     await running.set_serving(names, serving)
     return running
+
+
+async def start_health_listener(servicer: health.aio.HealthServicer, port: int) -> grpc.aio.Server:
+    """A plaintext server on 127.0.0.1:`port` with `servicer` (the service port's own) and nothing else: no
+    reflection, no service of the cluster, unreachable from outside the pod's network namespace."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    if server.add_insecure_port(f"127.0.0.1:{port}") == 0:
+        raise OSError(f"cannot bind the health listener to 127.0.0.1:{port}")
+    await server.start()
+    return server
 
 
 RECONNECT_BACKOFF_MS = (200, 1000)

@@ -271,7 +271,12 @@ async def start_encoder(config: EncoderConfig) -> RunningEncoder:
     servicer = EncoderServicer(pipeline, pusher, metrics, config.transfer_timeout_s)
     binding = grpc_server.ServiceBinding(encoder_pb2_grpc.add_EncoderServicer_to_server, servicer, "epd.v1.Encoder")
     running = await grpc_server.start_server(
-        config.host, config.port, [binding], tls.internal_server_credentials(config), serving=False
+        config.host,
+        config.port,
+        [binding],
+        tls.internal_server_credentials(config),
+        serving=False,
+        health_port=config.health_port,
     )
     address = config.advertise_addr or f"{config.host}:{running.port}"
     registry = Registry(config.redis_url, ttl_s=max(1.0, 5 * config.heartbeat_interval_s))

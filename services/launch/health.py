@@ -39,13 +39,16 @@ def wait_healthy(address: str, timeout_s: float, alive: Callable[[], bool] = lam
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m services.launch.health HOST:PORT`: exit 0 when SERVING (over mTLS when `EPD_TLS_*` are
-    set). The Kubernetes probe with TLS on: it imports no torch, so it answers well within a probe's timeout."""
+    """`python -m services.launch.health [--plaintext] HOST:PORT`: exit 0 when SERVING, over mTLS when `EPD_TLS_*`
+    are set unless `--plaintext` (a service's loopback health listener, `EPD_HEALTH_PORT`). The Kubernetes probe
+    with TLS on: it imports no torch, so it answers well within a probe's timeout."""
     args = sys.argv[1:] if argv is None else argv
+    plaintext = args[:1] == ["--plaintext"]
+    args = args[1:] if plaintext else args
     if len(args) != 1:
-        print("usage: python -m services.launch.health HOST:PORT", file=sys.stderr)
+        print("usage: python -m services.launch.health [--plaintext] HOST:PORT", file=sys.stderr)
         return 2
-    ok = check(args[0], tls=client_from_env(os.environ))
+    ok = check(args[0], tls=None if plaintext else client_from_env(os.environ))
     print("SERVING" if ok else "NOT SERVING")
     return 0 if ok else 1
 

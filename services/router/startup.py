@@ -84,7 +84,9 @@ async def start_router(config: RouterConfig) -> Callable[[], Awaitable[None]]:
     stop_http = await serve_router_http(config, info, servicer, view, metrics, prep)  # listening before gRPC is healthy
     public = config.public_tls()
     credentials = None if public is None else tls.server_credentials(public, bool(public.ca_file))
-    running = await grpc_server.start_server(config.host, config.port, [binding], credentials, echo_request_id=True)
+    running = await grpc_server.start_server(
+        config.host, config.port, [binding], credentials, echo_request_id=True, health_port=config.health_port
+    )
     log.info("router serving on %s:%d", config.host, running.port)
 
     async def drain_grpc() -> None:

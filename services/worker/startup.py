@@ -81,7 +81,9 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
         grpc_server.ServiceBinding(encoder_pb2_grpc.add_EncoderServicer_to_server, local_encoder, "epd.v1.Encoder"),
     ]
     credentials = tls.internal_server_credentials(config)
-    running = await grpc_server.start_server(config.host, config.port, bindings, credentials, serving=False)
+    running = await grpc_server.start_server(
+        config.host, config.port, bindings, credentials, serving=False, health_port=config.health_port
+    )
     address = config.advertise_addr or f"{config.host}:{running.port}"
     local_encoder.address = address
 

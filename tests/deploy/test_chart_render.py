@@ -85,30 +85,6 @@ def test_pods_are_non_root_with_read_only_root(scenario: tuple[Path, list[dict[s
             assert tmp and "emptyDir" in volumes[tmp[0]["name"]], (component, container["name"])
 
 
-def test_epd_probes_are_grpc_on_the_service_port(scenario: tuple[Path, list[dict[str, Any]]]) -> None:
-    """gRPC health probes; with TLS on (the kubelet's gRPC probe speaks no TLS) a health check over mTLS, or a
-    TCP check for a router whose public certificate is not of the cluster CA."""
-    _, docs = scenario
-    checked = 0
-    for component, spec in pod_specs(docs):
-        if component == "redis":
-            continue
-        (container,) = spec["containers"]
-        grpc_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
-        env = {e["name"]: e.get("value") for e in container["env"]}
-        if "EPD_TLS_CA_FILE" not in env:
-            expected = {"grpc": {"port": grpc_port}}
-        elif "EPD_PUBLIC_TLS_CERT_FILE" in env:
-            expected = {"tcpSocket": {"port": grpc_port}}
-        else:
-            expected = {"exec": {"command": ["python", "-m", "services.launch.health", f"127.0.0.1:{grpc_port}"]}}
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            action = {k: v for k, v in container[probe].items() if k in ("grpc", "exec", "tcpSocket")}
-            assert action == expected, (component, probe)
-        checked += 1
-    assert checked >= 2
-
-
 def test_network_policies_cover_every_component(scenario: tuple[Path, list[dict[str, Any]]]) -> None:
     _, docs = scenario
     policies = {d["metadata"]["labels"]["app.kubernetes.io/component"]: d for d in find(docs, "NetworkPolicy")}

@@ -156,8 +156,9 @@ def test_tls_from_an_existing_secret_needs_no_cert_manager() -> None:
         "python",
         "-m",
         "services.launch.health",
-        "127.0.0.1:50051",
-    ]  # its public pair is the cluster's
+        "--plaintext",
+        "127.0.0.1:50090",
+    ]  # the loopback health listener, as in every TLS mode (test_chart_probes.py)
     values["tls"]["existingSecret"] = ""
     with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmRenderError, match="tls.existingSecret"):
         chart.render(values, name="demo", namespace="ml")

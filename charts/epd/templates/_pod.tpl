@@ -70,20 +70,18 @@ resources:
   {{- toYaml $res | nindent 2 }}
 {{- end }}
 
-{{/* Probes: (dict "root" $ "name" "worker" "port" 50071 "startup" .Values.worker.startupProbe). gRPC health
-     probes, except with TLS on (the kubelet's gRPC probe has no TLS): then services/launch/health.py over mTLS
-     with the pod's own certificate (no torch import: quick), or a TCP check for a router whose public pair is
-     not of the cluster CA. */}}
+{{/* Probes: (dict "root" $ "name" "worker" "port" 50071 "startup" .Values.worker.startupProbe). Every probe asks
+     the service's gRPC health: the kubelet's gRPC probe on the service port; with TLS on (that probe has no TLS,
+     and a router's public pair or client CA may not be the cluster's) services/launch/health.py (no torch
+     import: quick) against the service's plaintext health listener on 127.0.0.1 (EPD_HEALTH_PORT), which the
+     same health servicer answers. */}}
 {{- define "epd.probeAction" -}}
 {{- if not .root.Values.tls.enabled -}}
 grpc:
   port: {{ .port }}
-{{- else if include "epd.execProbes" . -}}
-exec:
-  command: ["python", "-m", "services.launch.health", "127.0.0.1:{{ .port }}"]
 {{- else -}}
-tcpSocket:
-  port: {{ .port }}
+exec:
+  command: ["python", "-m", "services.launch.health", "--plaintext", "127.0.0.1:{{ .root.Values.ports.health }}"]
 {{- end }}
 {{- end }}
 

@@ -14,11 +14,6 @@
 {{- end }}
 {{- end }}
 
-{{/* Whether a router's probes can dial it as a cluster client (no separate public pair). */}}
-{{- define "epd.execProbes" -}}
-{{- if and .root.Values.tls.enabled (or (ne .name "router") (not .root.Values.tls.public.existingSecret)) }}true{{ end }}
-{{- end }}
-
 {{/* EPD_* file settings: (dict "root" $ "name" "router") -> a YAML map merged into epd.env. */}}
 {{- define "epd.securityVars" -}}
 {{- $v := .root.Values }}
@@ -28,6 +23,7 @@
 {{- $_ = set $vars "EPD_TLS_KEY_FILE" "/etc/epd/tls/tls.key" }}
 {{- $_ = set $vars "EPD_TLS_CA_FILE" "/etc/epd/tls/ca.crt" }}
 {{- $_ = set $vars "EPD_TLS_SERVER_NAME" $v.tls.serverName }}
+{{- $_ = set $vars "EPD_HEALTH_PORT" (toString $v.ports.health) }}
 {{- end }}
 {{- if $v.cacheHmac.existingSecret }}
 {{- $_ := set $vars "EPD_CACHE_HMAC_KEY_FILE" "/etc/epd/cache-hmac/key" }}
