@@ -38,20 +38,12 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none", "auto"),  # "auto" without tools: none
     "function_call": (None, "none", "auto"),
     "response_format": (None, {"type": "text"}),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
     "web_search_options": (None,),
     "suffix": (None, ""),
     "echo": (None, False),
-    "repetition_penalty": (None, 1),
-    "min_p": (None, 0),
-    "min_tokens": (None, 0),
-    "stop_token_ids": (None, []),
-    "bad_words": (None, []),
     "allowed_token_ids": (None,),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1),
@@ -216,6 +208,23 @@ class GenerationFields(ApiModel):
     top_k: int | None = Field(None, ge=-1, le=U32, description="0 or -1: off")
     ignore_eos: bool | None = None
     cache_salt: str | None = None
+    # the penalties and logit_bias (OpenAI's) and vLLM's sampling extras; the router bounds their values
+    repetition_penalty: Float32 | None = Field(None, description="> 0; 1 is off (vLLM)")
+    presence_penalty: Float32 | None = Field(None, description="[-2, 2]; 0 is off")
+    frequency_penalty: Float32 | None = Field(None, description="[-2, 2]; 0 is off")
+    min_p: Float32 | None = Field(None, description="[0, 1]; 0 is off (vLLM)")
+    min_tokens: int | None = Field(None, ge=0, le=U32, description="no stop before this many tokens (vLLM)")
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=U32)]] | None = Field(None, description="vLLM's")
+    bad_words: list[str] | None = Field(None, description="words never generated (vLLM)")
+    logit_bias: dict[str, Float32] | None = Field(None, description="token id (a string) -> bias in [-100, 100]")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not (key.isascii() and key.isdigit() and int(key) <= U32):
+                raise ValueError(f"keys are token ids, got {key!r}")
+        return value
 
     @property
     def choices(self) -> int:
@@ -245,6 +254,14 @@ class GenerationFields(ApiModel):
             stop=stop,
             ignore_eos=bool(self.ignore_eos),
             n=self.choices,
+            repetition_penalty=self.repetition_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            min_p=self.min_p or 0.0,
+            min_tokens=self.min_tokens or 0,
+            stop_token_ids=self.stop_token_ids or [],
+            bad_words=self.bad_words or [],
+            logit_bias={int(token): bias for token, bias in (self.logit_bias or {}).items()},
         )
         if self.seed is not None:
             sampling.seed = self.seed

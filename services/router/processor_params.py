@@ -75,7 +75,10 @@ def _check_bad_words(sampling: common_pb2.SamplingParams, tokenizer: Any, vocab:
     for i, word in enumerate(words):
         if not word.strip():
             raise invalid(f"sampling.bad_words[{i}] is empty")
-        for ids in bad_word_ids(tokenizer, word):
+        spellings = bad_word_ids(tokenizer, word)
+        if not spellings:
+            raise invalid(f"sampling.bad_words[{i}] ({word!r}) tokenizes to no token")
+        for ids in spellings:
             _check_ids(f"sampling.bad_words[{i}] ({word!r})", ids, vocab)
             sampling.bad_words_token_ids.add(ids=ids)
 
@@ -83,8 +86,10 @@ def _check_bad_words(sampling: common_pb2.SamplingParams, tokenizer: Any, vocab:
 def bad_word_ids(tokenizer: Any, word: str) -> list[list[int]]:
     """The token-id sequences that spell ``word``, as vLLM finds them: the word (leading spaces stripped) as
     tokenized alone, and with one leading space when that starts with another token and is as long (the word
-    in the middle of a text)."""
+    in the middle of a text); none when the word tokenizes to nothing."""
     bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+    if not bare:
+        return []
     spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
     if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
         return [bare, spaced]

@@ -108,3 +108,46 @@ def test_the_stop_token_is_in_the_token_ids_not_in_the_text(adapter: Any) -> Non
     assert list(stopped.token_ids) == words and stopped.text == tokenizer.decode(words[:-1])
     length = choices.chunk(worker_pb2.WorkerResponse(token_ids=words, index=1, finished=True, finish_reason="length"))
     assert length.text == tokenizer.decode(words)
+
+
+def test_the_http_fields_map_onto_the_grpc_ones_and_are_checked_the_same() -> None:
+    """Chat and text completions carry the penalties, logit_bias (token ids as strings) and vLLM's extras into
+    `SamplingParams`; null is unset; a key that is no token id, or a bias past the router's bound, is a 400
+    naming the field (the router's message in the HTTP field's name)."""
+    import json
+
+    from services.router.http_api import parse
+    from services.router.http_errors import HttpError, from_request_error
+    from services.router.openai_request import (
+        ChatCompletionRequest,
+        CompletionRequest,
+        completion_request,
+        generate_request,
+    )
+
+    fields = {"repetition_penalty": 1.25, "presence_penalty": 0.5, "frequency_penalty": -0.5, "min_p": 0.25,
+              "min_tokens": 2, "stop_token_ids": [7, 9], "bad_words": ["cat"],
+              "logit_bias": {"5": 2.5, "11": -100}}  # fmt: skip
+    user = [{"role": "user", "content": "hi"}]
+    expected = common_pb2.SamplingParams(
+        repetition_penalty=1.25, presence_penalty=0.5, frequency_penalty=-0.5, min_p=0.25, min_tokens=2,
+        stop_token_ids=[7, 9], bad_words=["cat"], logit_bias={5: 2.5, 11: -100.0},
+    )  # fmt: skip
+    chat = generate_request(parse(ChatCompletionRequest, json.dumps({"messages": user, **fields}).encode()), "r")
+    text = completion_request(parse(CompletionRequest, json.dumps({"prompt": "x", **fields}).encode()), "r")
+    for sampling in (chat.sampling, text.sampling):
+        got = common_pb2.SamplingParams()
+        got.CopyFrom(sampling)
+        for name in ("max_tokens", "temperature", "top_p", "n"):
+            got.ClearField(name)
+        assert got == expected
+    nulls = generate_request(parse(ChatCompletionRequest, json.dumps({"messages": user, **dict.fromkeys(fields)})), "r")
+    assert nulls.sampling == common_pb2.SamplingParams(temperature=1.0, top_p=1.0, n=1)
+    for bad in ({"logit_bias": {"x": 1.0}}, {"logit_bias": {"-3": 1.0}}, {"stop_token_ids": [-1]}, {"min_p": "NaN"}):
+        with pytest.raises(HttpError) as info:
+            parse(ChatCompletionRequest, json.dumps({"messages": user, **bad}).encode())
+        assert info.value.status == 400 and info.value.param.startswith(next(iter(bad))), info.value.message
+    error = RequestError(grpc.StatusCode.INVALID_ARGUMENT, "sampling.logit_bias[5] must be in [-100, 100], got 101.0")
+    answer = from_request_error(error, ChatCompletionRequest.model_validate({"messages": user}).field_names())
+    assert (answer.status, answer.param) == (400, "logit_bias")
+    assert answer.message == "logit_bias[5] must be in [-100, 100], got 101.0"
