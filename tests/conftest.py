@@ -12,6 +12,9 @@ from tests.redis_server import RedisServer
 
 # Tests never reach a model hub: every model folder is built locally.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The `triton` attention backend's kernel runs on the CPU in Triton's interpreter (read when Triton first
+# compiles a kernel's definition, so it is set before anything imports one; clusters inherit it).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Small image cap keeps vision forwards cheap; still several hundred tokens for large images.
 TINY_TEST_MAX_PIXELS = 256 * 28 * 28

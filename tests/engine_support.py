@@ -91,11 +91,17 @@ BACKENDS = {
     "flashref256-graphs": ("flash-reference", 256, "eager"),  # decode-only steps padded as the GPU graphs are
 }
 """The CPU attention paths exactness tests cover: name -> (attention backend, block size, CUDA graph mode)."""
+INTERPRETED = {
+    "triton16": ("triton", 16, "off"),
+    "triton256-graphs": ("triton", 256, "eager"),
+}
+"""Paths whose kernel runs in Triton's interpreter on the CPU (slow: the exactness tests run them at one budget)."""
 
 
 def backend_config(backend: str, budget: int, caching: bool) -> EngineConfig:
-    """The engine config of one exactness case: ``BACKENDS[backend]``, a token budget, prefix caching on/off."""
-    name, block_size, graphs = BACKENDS[backend]
+    """The engine config of one exactness case: ``BACKENDS[backend]`` (or ``INTERPRETED``), a token budget,
+    prefix caching on/off."""
+    name, block_size, graphs = {**BACKENDS, **INTERPRETED}[backend]
     return EngineConfig(
         kv_cache_bytes=16 << 20,
         block_size=block_size,

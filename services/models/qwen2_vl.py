@@ -10,6 +10,7 @@ the time axis of video positions (`tokens_per_second`). Video rules: `qwen2_vl_v
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +36,7 @@ from services.models.prompt import (
 )
 from services.models.qwen2_vl_resize import smart_resize
 from services.models.qwen2_vl_video import Qwen2VLVideoMixin, VideoSettings
-from services.models.qwen2_vl_vision import plan_vision, planning_available, run_vision_tower
+from services.models.qwen2_vl_vision import call_tower, plan_vision, stage, stage_batch, tower_takes_plan
 
 if TYPE_CHECKING:  # PIL only for annotations: the worker's model side runs without it
     from PIL import Image
@@ -48,8 +49,8 @@ class Qwen2VLAdapter(FolderAdapter, Qwen2VLVideoMixin):
     """Adapter for one Qwen2-VL / Qwen2.5-VL model folder.
 
     Holds config, tokenizer and image processor (never the weights: `load_model` returns them to the
-    caller, who passes the model back into the compute methods). Stateless between calls (but for turning
-    off vision planning for good when the tower refuses it), so one instance may serve many threads.
+    caller, who passes the model back into the compute methods). Stateless between calls, so one instance may
+    serve many threads.
     Invariant: `image_tokens(w, h)` equals the token count the saved image processor produces for a w x h
     image, and `video_tokens(...)` the one its video processor produces from the sampled frames.
     """
@@ -68,7 +69,6 @@ class Qwen2VLAdapter(FolderAdapter, Qwen2VLVideoMixin):
         self.video_token_id: int = int(config.video_token_id)
         self.tokens_per_second: float | None = getattr(vision, "tokens_per_second", None)  # Qwen2.5-VL only
         self.video_settings = self._read_video_settings()
-        self._vision_planning = planning_available()  # turned off for good if the tower refuses the plan
         if image_processor is not None:
             self._check_processor_matches_model()
 
@@ -175,32 +175,32 @@ class Qwen2VLAdapter(FolderAdapter, Qwen2VLVideoMixin):
         """
         if not items:
             return []
-        with torch.no_grad():
-            out = self._encode_planned(model, items) if self._vision_planning else None
-            if out is None:  # an older transformers (a GPU machine's): the tower plans itself, with host syncs
-                out = self._encode_unplanned(model, items)
+        out = self.staged_tower(model, items)()
         for index, (item, rows) in enumerate(zip(items, out, strict=True)):
             expected = mrope.item_length(item.grid_thw, self.merge_size)
             if rows.shape != (expected, self.hidden_size):
                 raise RuntimeError(f"item {index}: vision output {tuple(rows.shape)}, expected {expected} rows")
         return out
 
-    def _encode_planned(self, model: torch.nn.Module, items: list[PixelInputs]) -> list[torch.Tensor] | None:
-        """`run_vision_tower` with the host plan; None (and planning off from now on) when this transformers'
-        tower does not take every planned input (it refuses one as a duplicate keyword)."""
-        plan = plan_vision([item.grid_thw for item in items], model.config.vision_config)
-        try:
-            return run_vision_tower(model.model.visual, [item.pixel_values for item in items], plan)
-        except TypeError as exc:
-            log.warning("vision tower takes no planned inputs (%s): it plans them itself, with host syncs", exc)
-            self._vision_planning = False
-            return None
+    def staged_tower(self, model: torch.nn.Module, items: list[PixelInputs]) -> Callable[[], list[torch.Tensor]]:
+        """The items' inputs staged on the tower's device now, and the call that runs the tower on them (and
+        nothing else: what a tower benchmark times), returning one tensor per item.
 
-    def _encode_unplanned(self, model: torch.nn.Module, items: list[PixelInputs]) -> list[torch.Tensor]:
+        With a tower that takes planned inputs (`tower_takes_plan`, checked from its code) the call is
+        `call_tower` with the host plan; otherwise (an older transformers, a GPU machine's) `get_image_features`,
+        which plans on the device with host syncs. Errors inside the tower propagate either way.
+        """
         visual = model.model.visual
-        pixels = torch.cat([item.pixel_values for item in items]).to(visual.patch_embed.proj.weight)
-        grids = torch.tensor([item.grid_thw for item in items], dtype=torch.long, device=pixels.device)
-        return list(model.model.get_image_features(pixels, grids).pooler_output)
+        pixels = [item.pixel_values for item in items]
+        if tower_takes_plan(type(visual)):
+            staged = stage_batch(
+                visual, pixels, plan_vision([item.grid_thw for item in items], model.config.vision_config)
+            )
+            return torch.no_grad()(lambda: call_tower(visual, staged))
+        weight = visual.patch_embed.proj.weight
+        device_pixels = stage(pixels, weight.dtype, weight.device)
+        grids = torch.tensor([item.grid_thw for item in items], dtype=torch.long, device=weight.device)
+        return torch.no_grad()(lambda: list(model.model.get_image_features(device_pixels, grids).pooler_output))
 
     # ----- language model (worker) -----
 

@@ -7,14 +7,20 @@ all of them on the host from the items' known grids (transformers' own `vision_u
 CPU grid, so the numbers are the ones the tower would compute), and `run_vision_tower` hands them to the
 tower as its precomputed keyword arguments.
 
-`run_vision_tower` moves inputs with one host-to-device copy for the pixels (concatenated and cast to the
-model dtype in one pass into a pinned buffer on CUDA, copied non-blocking) and one for the plan's
-integers (one pinned int32 buffer), calls the tower once, and splits the merged output by host-known row
-counts: nothing in it waits for the device. Its output stays on the device (views of one tensor).
+`run_vision_tower` is `stage_batch` then `call_tower`. Staging moves inputs with one host-to-device copy for the
+pixels (concatenated and cast to the model dtype in one pass into a pinned buffer on CUDA, copied non-blocking)
+and one for the plan's integers (one pinned int32 buffer); the call runs the tower once and splits the merged
+output by host-known row counts: nothing in either waits for the device. The output stays on the device (views
+of one tensor). `time_tower` times calls on inputs staged beforehand (CUDA events on CUDA): the tower's own cost,
+without the host-side concatenation and cast of the pixels.
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +28,7 @@ import torch
 
 try:
     from transformers import vision_utils
-except ImportError:  # an older transformers: its tower derives these inputs itself (see `planning_available`)
+except ImportError:  # an older transformers: its tower derives these inputs itself (see `tower_takes_plan`)
     vision_utils = None
 
 WINDOWED_TYPES = ("qwen2_5_vl_vision",)
@@ -71,9 +77,25 @@ class VisionPlan:
         return kwargs
 
 
-def planning_available() -> bool:
-    """Whether this transformers can take the planned inputs (its `vision_utils`, 5.24 here)."""
-    return vision_utils is not None
+PLANNED_HELPERS = ("get_vision_position_ids", "get_vision_attention_seqlens")
+"""The `vision_utils` functions through which a tower's forward takes the planned inputs from its keywords."""
+
+
+def tower_takes_plan(tower_type: type) -> bool:
+    """Whether a tower of ``tower_type`` reads the planned inputs from its keyword arguments: its module derives
+    them through `vision_utils` helpers that take ``kwargs`` (transformers 5.24). A tower that derives them itself
+    would refuse them as duplicate keywords, so this is checked from the code, before any call: an error raised
+    inside the tower (its attention, say) is never mistaken for a refusal."""
+    if vision_utils is None:
+        return False
+    module = sys.modules.get(tower_type.__module__)
+    for name in PLANNED_HELPERS:
+        helper = getattr(vision_utils, name, None)
+        if helper is None or getattr(module, name, None) is not helper:
+            return False
+        if "kwargs" not in inspect.signature(helper).parameters:
+            return False
+    return True
 
 
 def plan_vision(grids: list[tuple[int, int, int]], vision_config: Any) -> VisionPlan:
@@ -135,9 +157,20 @@ def stage_ints(parts: list[torch.Tensor], device: torch.device) -> list[torch.Te
     return out
 
 
-def run_vision_tower(visual: torch.nn.Module, pixels: list[torch.Tensor], plan: VisionPlan) -> list[torch.Tensor]:
-    """One tower call over the items' pixel rows; each item's merged embedding ``[rows_i, out_hidden]`` on the
-    tower's device (views of one tensor), in order. Raises ValueError when pixels and plan disagree."""
+@dataclass(frozen=True)
+class StagedBatch:
+    """A batch's tower inputs on the tower's device: pixels in its dtype, ``grid_thw``, the plan's keyword
+    arguments, and each item's output rows (host integers)."""
+
+    pixels: torch.Tensor
+    grid_thw: torch.Tensor
+    kwargs: dict[str, Any]
+    rows: list[int]
+
+
+def stage_batch(visual: torch.nn.Module, pixels: list[torch.Tensor], plan: VisionPlan) -> StagedBatch:
+    """The items' pixel rows and the plan's integers on the tower's device (one copy each). Raises ValueError when
+    pixels and plan disagree."""
     weight = visual.patch_embed.proj.weight
     if sum(int(p.shape[0]) for p in pixels) != plan.patches:
         raise ValueError(f"{sum(int(p.shape[0]) for p in pixels)} pixel rows for {plan.patches} planned patches")
@@ -145,7 +178,35 @@ def run_vision_tower(visual: torch.nn.Module, pixels: list[torch.Tensor], plan: 
     device_ints = stage_ints(plan.int_tensors(), weight.device)
     # grid_thw rides along on the device: a tower given every derived input never reads it, and one that
     # recomputes something from it must not get host tensors
-    merged = visual(device_pixels, grid_thw=device_ints[-1].long(), **plan.tower_kwargs(device_ints)).pooler_output
-    if merged.shape[0] != sum(plan.rows):
-        raise RuntimeError(f"vision tower returned {merged.shape[0]} rows, the plan has {sum(plan.rows)}")
-    return list(merged.split(plan.rows))
+    return StagedBatch(device_pixels, device_ints[-1].long(), plan.tower_kwargs(device_ints), plan.rows)
+
+
+def call_tower(visual: torch.nn.Module, staged: StagedBatch) -> list[torch.Tensor]:
+    """One tower call on staged inputs; each item's merged embedding ``[rows_i, out_hidden]`` on the tower's device
+    (views of one tensor), in order."""
+    merged = visual(staged.pixels, grid_thw=staged.grid_thw, **staged.kwargs).pooler_output
+    if merged.shape[0] != sum(staged.rows):
+        raise RuntimeError(f"vision tower returned {merged.shape[0]} rows, the plan has {sum(staged.rows)}")
+    return list(merged.split(staged.rows))
+
+
+def run_vision_tower(visual: torch.nn.Module, pixels: list[torch.Tensor], plan: VisionPlan) -> list[torch.Tensor]:
+    """`call_tower` on `stage_batch`'s inputs: the encoder's path."""
+    return call_tower(visual, stage_batch(visual, pixels, plan))
+
+
+def time_tower(call: Callable[[], object], device: torch.device, calls: int) -> float:
+    """Seconds per ``call()`` (a tower call on inputs staged before: nothing host-side is timed), the mean of
+    ``calls`` calls: CUDA events around them on CUDA, the wall clock elsewhere."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / calls
+    started = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return (time.perf_counter() - started) / calls

@@ -108,7 +108,19 @@ def test_torch_comes_from_the_variant_index_at_the_project_pin() -> None:
     major, minor = cuda_image_version()
     assert torch_install("cpu") == (f"{TORCH_INDEX}cpu", f"torch=={torch_pin()}")
     assert torch_install("cuda") == (f"{TORCH_INDEX}cu{major}{minor}", f"torch=={torch_pin()}")
-    assert any(c.cmd == "RUN" and "pip install ." in c.value[0] for c in commands())
+    assert any(c.cmd == "RUN" and 'pip install ".${PACKAGE_EXTRAS}"' in c.value[0] for c in commands())
+
+
+def test_only_the_cuda_image_installs_the_gpu_extra() -> None:
+    """Triton (the `triton` attention backend) is the `gpu` extra: installed in the CUDA image, never in the CPU
+    one, and not a dependency of the package itself."""
+    run = next(c.value[0] for c in commands() if c.cmd == "RUN" and "pip check" in c.value[0])
+    for variant, target in (("cpu", "."), ("cuda", ".[gpu]")):
+        scope = stage_variables("builder", {"VARIANT": variant})[1]
+        assert [expand(w, scope) for w in shlex.split(run.split("&&")[0])] == ["pip", "install", target]
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert any(d.startswith("triton") for d in project["optional-dependencies"]["gpu"])
+    assert not any(d.startswith("triton") for d in project["dependencies"])
 
 
 def test_cuda_wheel_index_matches_the_cuda_base_image_and_the_docs() -> None:

@@ -6,14 +6,18 @@ all its memory back afterwards), under its own time limit inside a budget for th
 are reported even when another section fails, hangs or crashes the process:
 
 - ``env``: torch / transformers versions, the device, whether torch's ``varlen_attn`` takes a ``block_table``.
-- ``kernel``: the FlashAttention call against its pure-torch twin on a random paged pool (bf16, CUDA only).
+- ``kernel``: each paged kernel that runs (torch's FlashAttention call, our Triton kernel) against the
+  pure-torch twin on a random paged pool (bf16 on CUDA).
 - ``exactness``: 16 concurrent mixed requests (text, 1-3 images) on a small Qwen2-VL in fp32 through the
-  engine against ``generate`` alone, ties aside: the flash path's twin with captured decode graphs, and
-  ``auto``; with the kernel, its bf16 tokens against the twin's.
-- ``decode``: bf16 decode throughput and inter-token latency of the engine against ``generate`` with static
-  batches at 1, 32 and 128 sequences on a Qwen2-VL-7B-shaped model; the engine's decode step against its
-  own graph replayed alone (the overhead ratio); the KV blocks from memory; host syncs per step.
-- ``vision``: vision-tower images/s for 1344x1008 images on the 7B's vision config.
+  engine against ``generate`` alone, ties aside: the flash path's twin and the triton backend with captured
+  decode graphs, and ``auto``; each kernel's bf16 tokens against the twin's.
+- ``decode``: bf16 decode throughput and inter-token latency against ``generate`` with static batches at 1, 32
+  and 128 sequences on a Qwen2-VL-7B-shaped model, for each backend in turn (``triton``, ``flash`` where torch
+  has it, ``sdpa`` as the baseline; decode graphs where the backend takes them), each under its own name: the
+  engine's decode step against its own graph replayed alone (the overhead ratio), the KV blocks from memory,
+  host syncs per step and staging waits.
+- ``vision``: vision-tower images/s for 1344x1008 images on the 7B's vision config, the tower timed alone
+  (inputs staged first, CUDA events), the staging apart.
 
 Progress goes to stderr, one line per section; the last line on stdout is the whole report. ``--dry-run``
 runs the same code on the CPU with tiny shapes (CI runs it, so the script cannot rot).

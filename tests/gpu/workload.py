@@ -182,9 +182,10 @@ def generate_timed(model: Any, prompts: list[list[int]], new_tokens: int) -> Tim
     return Timed(len(prompts) * new_tokens / total, itl, itl)
 
 
-def engine_timed(engine: Engine, prompts: list[list[int]], new_tokens: int, tag: str) -> Timed:
+def engine_timed(engine: Engine, prompts: list[list[int]], new_tokens: int, tag: str, bare_repeats: int = 20) -> Timed:
     """All prompts at once; each step in which every request decodes is one inter-token latency. Halfway, the
-    last decode step's forward is replayed alone (the bare step: its graph, same rows and contexts)."""
+    last decode step's forward is replayed alone ``bare_repeats`` times (the bare step: its graph, same rows and
+    contexts)."""
     sampling = SamplingOptions(max_tokens=new_tokens, ignore_eos=True)
     sync(engine.runner.device)
     started = time.perf_counter()
@@ -201,7 +202,7 @@ def engine_timed(engine: Engine, prompts: list[list[int]], new_tokens: int, tag:
             steps.append(time.perf_counter() - step_start)
             if len(steps) == new_tokens // 2:
                 pause = time.perf_counter()
-                bare = bare_step_seconds(engine)
+                bare = bare_step_seconds(engine, bare_repeats)
                 started += time.perf_counter() - pause  # not part of the engine's time
     total = time.perf_counter() - started
     steps.sort()

@@ -3,6 +3,7 @@ KV budget from GPU memory (the arithmetic; the measuring needs CUDA)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -11,11 +12,14 @@ import torch
 from services.common import config as config_lib
 from services.common.config import ConfigError
 from services.worker.config import WorkerConfig
-from services.worker.engine.attention import choose_backend, default_block_size, make_backend
+from services.worker.engine.attention import Offers, choose_backend, default_block_size, make_backend
+from services.worker.engine.attention.triton_backend import TritonBackend
+from services.worker.engine.attention.triton_kernel import triton_varlen_attn
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.memory import MemoryProfile, kv_budget
 from services.worker.engine.model_runner import resolve_graph_mode
+from services.worker.engine.request import EngineRequest, SamplingOptions
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
 
@@ -25,12 +29,47 @@ def test_auto_choice() -> None:
     assert choose_backend("auto", CPU, torch.float32, 16, 32) == "sdpa"  # the kernel is built for 16-token blocks
     assert choose_backend("auto", CPU, torch.bfloat16, 16, 0) == "sdpa"
     assert choose_backend("auto", CPU, torch.float32, 24, 0) == "sdpa"
-    assert choose_backend("auto", CUDA, torch.bfloat16, 128, 0) == "flash"
-    assert choose_backend("auto", CUDA, torch.float16, 128, 512) == "flash"
-    assert choose_backend("auto", CUDA, torch.float32, 128, 0) == "sdpa"  # the kernel is fp16/bf16 only
-    assert choose_backend("auto", CUDA, torch.bfloat16, 128, 16) == "sdpa"  # not a multiple of 256
     assert choose_backend("sdpa", CUDA, torch.bfloat16, 128, 0) == "sdpa"
-    assert [default_block_size(n) for n in ("flash", "flash-reference", "sdpa", "cpu-kernel")] == [256, 16, 16, 16]
+    assert [default_block_size(n) for n in ("flash", "flash-reference", "sdpa", "cpu-kernel", "triton")] == [
+        256, 16, 16, 16, 16
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("paged_varlen_attn", "triton", "dtype", "block_size", "expected"),
+    [(True, True, torch.bfloat16, 0, "flash"), (True, False, torch.float16, 512, "flash"),
+     (False, True, torch.bfloat16, 0, "triton"), (False, True, torch.float16, 48, "triton"),
+     (True, True, torch.bfloat16, 16, "triton"),  # flash's pages are multiples of 256
+     (False, False, torch.bfloat16, 0, "sdpa"), (True, False, torch.bfloat16, 16, "sdpa"),
+     (False, True, torch.bfloat16, 24, "sdpa"),  # not a multiple of 16
+     (True, True, torch.float32, 0, "sdpa")],  # both kernels' auto choice is 16-bit only
+)  # fmt: skip
+def test_auto_choice_on_cuda_follows_what_torch_and_triton_offer(
+    paged_varlen_attn: bool, triton: bool, dtype: torch.dtype, block_size: int, expected: str
+) -> None:
+    """flash where torch's varlen_attn takes a block table, else triton where Triton imports, else sdpa."""
+    offers = Offers(paged_varlen_attn=paged_varlen_attn, triton=triton)
+    assert choose_backend("auto", CUDA, dtype, 128, block_size, offers) == expected
+    # what this process has: torch 2.13's varlen_attn takes a block table, and the dev extra installs Triton
+    assert Offers.here() == Offers(paged_varlen_attn=True, triton=True)
+
+
+def test_published_backend_is_the_one_that_ran(loaded: tuple[Any, Any], caplog: pytest.LogCaptureFixture) -> None:
+    """The engine publishes (kv_state, config, the start-up log) the backend whose kernel computed its steps."""
+    adapter, model = loaded
+    with caplog.at_level(logging.INFO, logger="services.worker.engine.model_runner"):
+        engine = Engine(adapter, model, EngineConfig(kv_cache_bytes=2 << 20, attention_backend="triton"))
+    backend = engine.runner.backend
+    calls = []
+    kernel = backend.attention
+    backend.attention = lambda *args, **kwargs: calls.append(args[0].shape[0]) or kernel(*args, **kwargs)
+    engine.add_request(EngineRequest("r", [1, 2, 3, 4, 5], [], SamplingOptions(max_tokens=2, ignore_eos=True)))
+    while engine.has_work():
+        engine.step()
+    assert isinstance(backend, TritonBackend) and kernel is triton_varlen_attn
+    assert calls == [5, 5, 1, 1]  # two layers a step: the prompt, then one decode (the last token needs no step)
+    assert engine.kv_state().attention_backend == engine.config.attention_backend == "triton"
+    assert any("attention backend triton on cpu" in r.getMessage() for r in caplog.records)
 
 
 def test_explicit_backends_refuse_where_they_cannot_run() -> None:
@@ -125,8 +164,11 @@ def test_kv_budget_from_memory() -> None:
 
 
 def test_graph_modes() -> None:
-    """auto captures only with the real kernel on CUDA; on captures flash-reference too (checks); eager anywhere."""
+    """auto captures only with the real kernels (flash, triton) on CUDA; on captures flash-reference too (checks);
+    eager anywhere."""
     assert resolve_graph_mode("auto", CUDA, "flash", "default") == "auto"
+    assert resolve_graph_mode("auto", CUDA, "triton", "default") == "auto"  # reads only each row's blocks
+    assert resolve_graph_mode("eager", CPU, "triton", "default") == "eager"
     assert resolve_graph_mode("auto", CUDA, "flash-reference", "default") == "off"  # pads rows to max_model_len
     assert resolve_graph_mode("auto", CPU, "flash-reference", "default") == "off"
     assert resolve_graph_mode("on", CUDA, "flash-reference", "default") == "on"

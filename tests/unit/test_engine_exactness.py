@@ -1,7 +1,8 @@
 """Exactness: 16 concurrent requests (text only, and one to three images) through the engine give, each,
 exactly transformers' greedy `generate` for that request alone; at token budgets 16, 64 and 512 (prefill is
-chunked in the first two), with prefix caching on and off, arrivals and embeddings staggered; and under an
-inter-token latency target (prefill chunks sized by measured step costs)."""
+chunked in the first two), with prefix caching on and off (the Triton kernel, slow in its interpreter: budget 64
+with caching), arrivals and embeddings staggered; and under an inter-token latency target (prefill chunks sized
+by measured step costs)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from tests.engine_support import BACKENDS, Prompt, backend_config, mixed_workload, run_workload
+from tests.engine_support import BACKENDS, INTERPRETED, Prompt, backend_config, mixed_workload, run_workload
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -22,17 +23,24 @@ def workload(loaded: tuple[Any, Any], tiny_model_dir: Path) -> list[tuple[Prompt
     return mixed_workload(*loaded, tiny_model_dir)
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
-@pytest.mark.parametrize("caching", [True, False], ids=["cache", "nocache"])
-@pytest.mark.parametrize("budget", [16, 64, 512])
+CASES = [(backend, budget, caching) for backend in BACKENDS for budget in (16, 64, 512) for caching in (True, False)]
+CASES += [(backend, 64, True) for backend in INTERPRETED]  # Triton's interpreter: one budget, chunked, cached
+
+
+@pytest.mark.parametrize(
+    ("backend", "budget", "caching"),
+    CASES,
+    ids=[f"{b}-{budget}-{'cache' if c else 'nocache'}" for b, budget, c in CASES],
+)
 def test_concurrent_greedy_equals_generate(
     loaded: tuple[Any, Any], workload: list[tuple[Prompt, int, list[int]]], budget: int, caching: bool, backend: str
 ) -> None:
-    """Every CPU attention path: the compiled kernel (this machine has a C compiler), SDPA, and the GPU's
-    varlen call with its pure-torch twin at 16- and 256-token blocks, the latter through the decode graphs'
-    padded static-buffer path (eagerly: no capture on the CPU)."""
+    """Every CPU attention path: the compiled kernel (this machine has a C compiler), SDPA, the GPU's varlen call
+    with its pure-torch twin, and our Triton kernel (in Triton's interpreter), each of the last two at 16- and
+    256-token blocks, the 256 ones through the decode graphs' padded static-buffer path (eagerly: no capture on
+    the CPU)."""
     adapter, model = loaded
-    name, block_size, graphs = BACKENDS[backend]
+    name, block_size, graphs = {**BACKENDS, **INTERPRETED}[backend]
     config = backend_config(backend, budget, caching)
     engine = Engine(adapter, model, config)
     assert (engine.config.attention_backend, engine.config.block_size) == (name, block_size)

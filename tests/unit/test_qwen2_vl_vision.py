@@ -11,7 +11,14 @@ import torch
 
 from services.common.model_info import load_model_info
 from services.models.base import PixelInputs
-from services.models.qwen2_vl_vision import plan_vision, run_vision_tower, stage, stage_ints
+from services.models.qwen2_vl_vision import (
+    plan_vision,
+    run_vision_tower,
+    stage,
+    stage_ints,
+    time_tower,
+    tower_takes_plan,
+)
 
 GRIDS = [(1, 16, 16), (1, 8, 20), (1, 4, 4), (2, 8, 8)]
 _CPU = torch.device("cpu")
@@ -96,25 +103,69 @@ def test_run_vision_tower_checks_pixels_against_the_plan(tiny_model_dir) -> None
 def test_encode_without_vision_utils_falls_back_to_the_towers_own_planning(
     tiny_model_dir, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An older transformers (a GPU machine's) has no `vision_utils`, or a tower that refuses a planned input:
-    `encode` lets the tower plan, with the same numbers."""
-    from services.models import qwen2_vl, qwen2_vl_vision
+    """An older transformers (a GPU machine's) has no `vision_utils`, or a tower that derives its inputs itself:
+    known from the code before any call, and `encode` lets the tower plan, with the same numbers."""
+    from services.models import qwen2_vl_vision
     from services.models.qwen2_vl import Qwen2VLAdapter
 
     adapter = Qwen2VLAdapter.from_folder(tiny_model_dir)
     model = adapter.load_model()
     items = _items()
+    assert tower_takes_plan(type(model.model.visual))
     planned = adapter.encode(model, items)
 
-    def refuses(*args, **kwargs):
-        raise TypeError("forward() got multiple values for keyword argument 'cu_seqlens'")
+    class OwnPlanning(type(model.model.visual)):  # defined where no vision_utils helper is imported
+        pass
 
-    monkeypatch.setattr(qwen2_vl, "run_vision_tower", refuses)
-    refused = adapter.encode(model, items)
-    assert not adapter._vision_planning  # off for good: the next call goes straight to the tower's own planning
+    assert not tower_takes_plan(OwnPlanning)
     monkeypatch.setattr(qwen2_vl_vision, "vision_utils", None)
-    older = Qwen2VLAdapter.from_folder(tiny_model_dir)
-    assert not qwen2_vl_vision.planning_available() and not older._vision_planning
-    unplanned = older.encode(model, items)
-    for a, b, c in zip(planned, refused, unplanned, strict=True):
-        assert torch.equal(a, b) and torch.equal(a, c)
+    assert not tower_takes_plan(type(model.model.visual))
+    unplanned = adapter.encode(model, items)
+    for a, b in zip(planned, unplanned, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_an_error_inside_the_tower_surfaces(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A TypeError raised once by the vision attention reaches the caller, and the next batch is planned again.
+    (It was once taken for the tower refusing the planned inputs: the batch silently re-ran unplanned, and
+    planning stayed off for good.)"""
+    from services.models import qwen2_vl
+    from services.models.qwen2_vl import Qwen2VLAdapter
+
+    adapter = Qwen2VLAdapter.from_folder(tiny_model_dir)
+    model = adapter.load_model()
+    attention = type(model.model.visual.blocks[0].attn)
+    original = attention.forward
+    failures = [TypeError("attention got an unexpected keyword argument 'window'")]
+
+    def fails_once(self, *args, **kwargs):
+        if failures:
+            raise failures.pop()
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "forward", fails_once)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'window'"):
+        adapter.encode(model, _items(GRIDS[:1]))
+    planned_calls = []
+    calling = qwen2_vl.call_tower
+    monkeypatch.setattr(qwen2_vl, "call_tower", lambda *a: planned_calls.append(1) or calling(*a))
+    assert len(adapter.encode(model, _items(GRIDS[:1]))) == 1 and planned_calls == [1]
+
+
+def test_the_tower_timer_times_the_tower_alone(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`staged_tower` stages once, before anything is timed; `time_tower` then runs only tower calls (what the GPU
+    check's images/s divides by), none of which stages pixels again."""
+    from services.models import qwen2_vl, qwen2_vl_vision
+
+    adapter = load_model_info(tiny_model_dir).adapter
+    model = adapter.load_model()
+    events: list[str] = []
+    staging = qwen2_vl_vision.stage
+    for module in (qwen2_vl, qwen2_vl_vision):
+        monkeypatch.setattr(module, "stage", lambda *a, **k: events.append("stage") or staging(*a, **k))
+    model.model.visual.register_forward_hook(lambda *_: events.append("tower"))
+    call = adapter.staged_tower(model, _items(GRIDS[:2]))
+    staged = list(events)
+    seconds = time_tower(call, torch.device("cpu"), 3)
+    assert staged == ["stage", "stage"]  # pixels, then the plan's integers
+    assert events[len(staged) :] == ["tower"] * 3 and isinstance(seconds, float)

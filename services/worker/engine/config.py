@@ -12,7 +12,7 @@ from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
 _GRAPH_ALIASES = {"true": "auto", "false": "off"}
-ATTENTION_BACKENDS = ("auto", "cpu-kernel", "sdpa", "flash", "flash-reference")
+ATTENTION_BACKENDS = ("auto", "cpu-kernel", "sdpa", "flash", "flash-reference", "triton")
 CUDA_GRAPH_MODES = ("auto", "on", "off", "eager")
 CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
 """The KV budget when ``kv_cache_bytes`` is 0 and the engine is not on CUDA."""
@@ -42,14 +42,15 @@ class EngineConfig:
     smaller cap wins. With no decode running, prefill takes the whole budget either way.
 
     ``attention_backend`` names one of ``ATTENTION_BACKENDS`` (services/worker/engine/attention/): ``"auto"``
-    picks ``flash`` on CUDA in float16/bfloat16, ``sdpa`` on CUDA otherwise, and on the CPU the
-    compiled ``cpu-kernel`` where it applies (float32, 16-token blocks, head dims a multiple of 16, a C
-    compiler) else ``sdpa``.
+    picks, on CUDA in float16/bfloat16, ``flash`` where torch's ``varlen_attn`` takes a block table, else
+    ``triton`` where Triton imports, else ``sdpa`` (``sdpa`` in float32 too); on the CPU the compiled
+    ``cpu-kernel`` where it applies (float32, 16-token blocks, head dims a multiple of 16, a C compiler) else
+    ``sdpa``.
 
-    ``cuda_graphs``: ``"auto"`` replays decode-only steps as CUDA graphs with ``flash`` on CUDA; ``"on"``
-    captures with ``flash-reference`` too (which pads rows to ``max_model_len``: for checks with a short one);
-    ``"off"`` never; ``"eager"`` runs the same padded static-buffer path without capturing (what the CPU tests
-    use to prove the machinery).
+    ``cuda_graphs``: ``"auto"`` replays decode-only steps as CUDA graphs with ``flash`` or ``triton`` on CUDA;
+    ``"on"`` captures with ``flash-reference`` too (which pads rows to ``max_model_len``: for checks with a short
+    one); ``"off"`` never; ``"eager"`` runs the same padded static-buffer path without capturing (what the CPU
+    tests use to prove the machinery).
     """
 
     block_size: int = field(
@@ -82,7 +83,8 @@ class EngineConfig:
     embedding_buffer_bytes: int = field(default=256 * 1024 * 1024, metadata={"help": "embeddings held for prefill"})
     seed: int = field(default=0, metadata={"help": "the engine's sampling seed for unseeded requests"})
     attention_backend: str = field(
-        default="auto", metadata={"help": "auto, cpu-kernel, sdpa, flash or flash-reference (docs/engine.md)"}
+        default="auto",
+        metadata={"help": "auto, cpu-kernel, sdpa, flash, flash-reference or triton (docs/engine.md)"},
     )
 
     def __post_init__(self) -> None:

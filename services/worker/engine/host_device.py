@@ -21,9 +21,20 @@ RING = 4
 class _Stage:
     """A pinned buffer and the event of its last copy out."""
 
-    def __init__(self, dtype: torch.dtype, size: int) -> None:
-        self.buffer = torch.empty(size, dtype=dtype, pin_memory=True)
-        self.event: torch.cuda.Event | None = None
+    def __init__(self, buffer: torch.Tensor, event: torch.cuda.Event | None = None) -> None:
+        self.buffer = buffer
+        self.event = event
+
+    @classmethod
+    def pinned(cls, dtype: torch.dtype, size: int) -> _Stage:
+        return cls(torch.empty(size, dtype=dtype, pin_memory=True))
+
+    def wait_free(self) -> bool:
+        """Wait for the last copy out of the buffer if it is still in flight; True when that was a wait."""
+        if self.event is None or self.event.query():
+            return False
+        self.event.synchronize()
+        return True
 
 
 class HostDevice:
@@ -31,8 +42,8 @@ class HostDevice:
 
     Invariant: the engine reads device values on the host only through ``to_host`` (counted in
     ``downloads``), so a step's host synchronisations can be counted. A staging buffer is refilled only
-    after its previous copy finished: each dtype has a ring of ``RING`` buffers, so the wait (``waits``
-    counts them) is for a copy queued several uploads ago, long done.
+    after its previous copy finished: each dtype has a ring of ``RING`` buffers, so that copy was queued
+    several uploads ago and is mostly done; ``waits`` counts the times it was not (the host waited).
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -83,9 +94,8 @@ class HostDevice:
         turn = self._turn.get(dtype, 0)
         self._turn[dtype] = (turn + 1) % RING
         stage = ring[turn]
-        if stage is not None and stage.event is not None:
+        if stage is not None and stage.wait_free():
             self.waits += 1
-            stage.event.synchronize()
         if stage is None or stage.buffer.numel() < count:
-            stage = ring[turn] = _Stage(dtype, max(count, 2 * (stage.buffer.numel() if stage else 4096)))
+            stage = ring[turn] = _Stage.pinned(dtype, max(count, 2 * (stage.buffer.numel() if stage else 4096)))
         return stage

@@ -9,7 +9,13 @@ from typing import Any
 
 import torch
 
-from services.worker.engine.attention import choose_backend, default_block_size, make_backend
+from services.worker.engine.attention import (
+    GRAPHED_BY_DEFAULT,
+    VARLEN_BACKENDS,
+    choose_backend,
+    default_block_size,
+    make_backend,
+)
 from services.worker.engine.attention.backend import CONTEXT_KWARG, install_paged_attention
 from services.worker.engine.attention.kv_cache import KVCache, KVShape
 from services.worker.engine.config import CPU_KV_CACHE_BYTES, EngineConfig
@@ -207,17 +213,17 @@ def resolve_config(config: EngineConfig, model: torch.nn.Module, max_context: in
 def resolve_graph_mode(requested: str, device: torch.device, backend: str, rope_type: str) -> str:
     """``off``, ``eager``, ``on`` or ``auto`` (both capture), from the configured mode and what runs here.
 
-    ``auto`` captures only with ``flash`` on CUDA: ``flash-reference`` pads every row to the graphs' fixed
-    ``max_k`` (the longest allowed context), so its graphs serve checks with a short ``max_model_len``
+    ``auto`` captures only with ``flash`` or ``triton`` on CUDA: ``flash-reference`` pads every row to the graphs'
+    fixed ``max_k`` (the longest allowed context), so its graphs serve checks with a short ``max_model_len``
     (``on``), not production. A rope that branches on position values (dynamic, longrope) cannot be captured.
     """
     varlen = backend in VARLEN_BACKENDS
     if requested in ("eager", "on") and not varlen:
-        raise ValueError("decode graphs need a varlen attention backend (flash or flash-reference)")
+        raise ValueError(f"decode graphs need a varlen attention backend ({', '.join(VARLEN_BACKENDS)})")
     if requested == "on" and device.type != "cuda":
         raise ValueError("cuda_graphs='on' captures CUDA graphs: it needs a CUDA device (use 'eager' elsewhere)")
     if requested == "auto":
-        requested = "auto" if device.type == "cuda" and backend == "flash" else "off"
+        requested = "auto" if device.type == "cuda" and backend in GRAPHED_BY_DEFAULT else "off"
     if requested in ("auto", "on") and rope_type in UNCAPTURABLE_ROPE:
         log.warning("decode graphs off: rope type %s branches on position values", rope_type)
         return "off"
@@ -230,7 +236,6 @@ def _rope_type(model: torch.nn.Module) -> str:
     return str(parameters.get("rope_type", parameters.get("type", "default")))
 
 
-VARLEN_BACKENDS = ("flash", "flash-reference")
 UNCAPTURABLE_ROPE = ("dynamic", "longrope")
 _NO_MASK = {"full_attention": None}
 """Given as ``attention_mask``: transformers builds no mask (causality is the attention backend's job)."""
