@@ -51,6 +51,7 @@ from services.router.openai_response import (
     ChunkWriter,
     CompletionBuilder,
     Envelope,
+    StreamUsage,
     TextChunkWriter,
     TextCompletionBuilder,
     sse,
@@ -243,7 +244,8 @@ class Routes:
         envelope = Envelope(f"chatcmpl-{proto.request_id}", int(time.time()), self.api.model_id)
         logprobs = bool(body.logprobs)
         if body.stream:
-            writer = ChunkWriter(envelope, body.choices, body.include_usage, logprobs)
+            usage = StreamUsage(body.include_usage, body.continuous_usage)
+            writer = ChunkWriter(envelope, body.choices, usage, logprobs)
             return await self._stream(request, tenant, proto, body.field_names(), writer)
         builder = CompletionBuilder(envelope, logprobs)
         return await self._whole(request, tenant, proto, body.field_names(), builder)
@@ -256,7 +258,7 @@ class Routes:
         envelope = Envelope(f"cmpl-{proto.request_id}", int(time.time()), self.api.model_id)
         logprobs = body.logprobs is not None
         if body.stream:
-            writer = TextChunkWriter(envelope, body.include_usage, logprobs)
+            writer = TextChunkWriter(envelope, StreamUsage(body.include_usage, body.continuous_usage), logprobs)
             return await self._stream(request, tenant, proto, body.field_names(), writer)
         builder = TextCompletionBuilder(envelope, logprobs)
         return await self._whole(request, tenant, proto, body.field_names(), builder)

@@ -172,12 +172,9 @@ class StreamOptions(ApiModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     include_usage: bool | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> StreamOptions:
-        if (self.model_extra or {}).get("continuous_usage_stats"):
-            raise FieldError("continuous_usage_stats", "continuous_usage_stats is not supported by this server yet")
-        return self
+    continuous_usage_stats: bool | None = Field(
+        None, description="vLLM's: with include_usage, every chunk carries the usage so far"
+    )
 
 
 def refusal(name: str, value: Any, neutral: tuple[Any, ...]) -> FieldError | None:
@@ -270,6 +267,11 @@ class GenerationFields(ApiModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk (vLLM's `continuous_usage_stats`, which takes `include_usage` too)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 class ChatCompletionRequest(GenerationFields):

@@ -72,18 +72,40 @@ class Envelope:
 
 
 @dataclass
+class StreamUsage:
+    """What a streamed chunk says of usage: nothing; `null` (`include_usage`: the counts come in a last chunk of
+    their own); or, with vLLM's `continuous_usage_stats`, the counts so far (every token streamed, text held
+    back or not)."""
+
+    include: bool = False
+    continuous: bool = False
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def take(self, chunk: generation_pb2.Chunk) -> None:
+        self.prompt_tokens = chunk.prompt_tokens or self.prompt_tokens
+        self.completion_tokens += len(chunk.token_ids)
+
+    def fields(self) -> dict[str, Any]:
+        if self.continuous:
+            total = self.prompt_tokens + self.completion_tokens
+            usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+            return {"usage": {**usage, "total_tokens": total}}
+        return {"usage": None} if self.include else {}
+
+
+@dataclass
 class ChunkWriter:
     """Streaming: each response becomes the chunk objects to send, in order."""
 
     envelope: Envelope
     n: int = 1
-    include_usage: bool = False
+    usage: StreamUsage = field(default_factory=StreamUsage)
     logprobs: bool = False
 
     def _chunk(self, index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        extra = {"usage": None} if self.include_usage else {}
-        return self.envelope.wrap("chat.completion.chunk", choices=[choice], **extra)
+        return self.envelope.wrap("chat.completion.chunk", choices=[choice], **self.usage.fields())
 
     def start(self) -> list[dict[str, Any]]:
         """The opening chunk of every choice: the assistant's role, no content yet."""
@@ -92,13 +114,14 @@ class ChunkWriter:
     def add(self, response: generation_pb2.GenerateResponse) -> list[dict[str, Any]]:
         if response.HasField("chunk"):
             chunk = response.chunk
+            self.usage.take(chunk)
             if not chunk.text and not (self.logprobs and chunk.logprobs):
                 return []  # tokens whose text is held back (a possible stop string, a partial character)
             logprobs = {"content": [logprob_entry(e) for e in chunk.logprobs]} if self.logprobs else None
             return [self._chunk(chunk.index, {"content": chunk.text}, logprobs)]
         final = response.final
         out = [self._chunk(index, {}, finish=reason) for index, reason in choice_ends(final)]
-        if self.include_usage:
+        if self.usage.include:
             out.append(self.envelope.wrap("chat.completion.chunk", choices=[], usage=usage_json(final.usage)))
         return out
 
@@ -178,14 +201,13 @@ class TextChunkWriter:
     role chunk; `choices[i].text`, legacy `logprobs`)."""
 
     envelope: Envelope
-    include_usage: bool = False
+    usage: StreamUsage = field(default_factory=StreamUsage)
     logprobs: bool = False
     offsets: dict[int, int] = field(default_factory=dict)
 
     def _chunk(self, index: int, text: str, logprobs: Any = None, finish: str | None = None) -> dict[str, Any]:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        extra = {"usage": None} if self.include_usage else {}
-        return self.envelope.wrap("text_completion", choices=[choice], **extra)
+        return self.envelope.wrap("text_completion", choices=[choice], **self.usage.fields())
 
     def start(self) -> list[dict[str, Any]]:
         return []
@@ -193,6 +215,7 @@ class TextChunkWriter:
     def add(self, response: generation_pb2.GenerateResponse) -> list[dict[str, Any]]:
         if response.HasField("chunk"):
             chunk = response.chunk
+            self.usage.take(chunk)
             if not chunk.text and not (self.logprobs and chunk.logprobs):
                 return []
             logprobs = None
@@ -203,7 +226,7 @@ class TextChunkWriter:
             return [self._chunk(chunk.index, chunk.text, logprobs)]
         final = response.final
         out = [self._chunk(index, "", finish=reason) for index, reason in choice_ends(final)]
-        if self.include_usage:
+        if self.usage.include:
             out.append(self.envelope.wrap("text_completion", choices=[], usage=usage_json(final.usage)))
         return out
 

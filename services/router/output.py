@@ -2,15 +2,18 @@
 
 Invariant: the concatenation of every `text` returned equals the decoding of all tokens seen,
 truncated before the first stop string; text is held back while it may still be the start of a
-stop string or an incomplete UTF-8 sequence. Each token costs O(1) decoding work: only a short
-window of recent tokens is decoded (vLLM's prefix/read offsets), never the whole output.
+stop string or an incomplete UTF-8 sequence. Each token costs O(1) decoding work: with a fast
+(Rust) tokenizer, one step of its own incremental decoder (`tokenizers.decoders.DecodeStream`); else only a
+short window of recent tokens is decoded (vLLM's prefix/read offsets), never the whole output.
 A request of n choices has n `ChoiceStream`s (`Choices`), each with its own detokenizer and stop state.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from tokenizers.decoders import ByteLevel, DecodeStream
 from transformers import PreTrainedTokenizerBase
 
 from services.common.rpc.epd.v1 import generation_pb2, worker_pb2
@@ -24,10 +27,20 @@ class TextDelta:
     stopped: bool
 
 
+def _streams_exactly(tokenizer: PreTrainedTokenizerBase, backend: Any) -> bool:
+    """Whether `DecodeStream` gives exactly `tokenizer.decode`'s text: a byte-level decoder (any byte sequence
+    decodes, as in Qwen's and GPT-2's tokenizers) and no clean-up of spaces. Byte-fallback decoders (LLaMA's)
+    are left to the window: on invalid bytes the stream's replacement characters differ from `decode`'s."""
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    return isinstance(backend.decoder, ByteLevel)
+
+
 @dataclass
 class Detokenizer:
     tokenizer: PreTrainedTokenizerBase
     stop: list[str] = field(default_factory=list)
+    use_stream: bool = True  # the tokenizer's own incremental decoder, when it has one (False: the window)
     _tokens: list[int] = field(default_factory=list)
     _text: str = ""  # decoded text of _tokens[:_read]
     _prefix: int = 0  # tokens before this index give context only (word boundaries)
@@ -35,12 +48,25 @@ class Detokenizer:
     _emitted: int = 0  # characters of _text already returned
     _searched: int = 0  # characters of _text already searched for stop strings
     _stopped: bool = False
+    _stream: Any = None  # the fast tokenizer's incremental decoder, when it has one
+    _backend: Any = None  # that tokenizer's `tokenizers.Tokenizer`
+
+    def __post_init__(self) -> None:
+        backend = getattr(self.tokenizer, "_tokenizer", None)
+        if self.use_stream and _streams_exactly(self.tokenizer, backend):
+            self._backend, self._stream = backend, DecodeStream(skip_special_tokens=True)
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
-    def _advance(self) -> None:
+    def _advance(self, token_ids: list[int]) -> None:
         """Append the newly decodable text, holding back an incomplete UTF-8 sequence."""
+        if self._stream is not None:
+            try:
+                self._text += self._stream.step(self._backend, token_ids) or ""
+                return
+            except Exception:  # the stream refuses some byte-fallback sequences: decode by windows from here on
+                self._stream, self._prefix, self._read, self._text = None, 0, 0, ""
         before = self._decode(self._tokens[self._prefix : self._read])
         after = self._decode(self._tokens[self._prefix :])
         if len(after) > len(before) and not after.endswith(_REPLACEMENT):
@@ -52,7 +78,7 @@ class Detokenizer:
         if self._stopped:
             return TextDelta("", True)
         self._tokens.extend(token_ids)
-        self._advance()
+        self._advance(token_ids)
         longest = max((len(s) for s in self.stop), default=0)
         start = max(0, self._searched - longest + 1)
         for stop in self.stop:
@@ -77,6 +103,12 @@ class Detokenizer:
         """At the end of the stream, release held-back text (never past a stop string)."""
         if self._stopped:
             return ""
+        if self._stream is not None:  # what the stream holds back: once per response, the whole output decoded
+            whole = self._decode(self._tokens)
+            text = whole if whole.startswith(self._text) else self._text
+            delta = text[self._emitted :]
+            self._emitted = len(text)
+            return delta
         text = (
             self._text
             + self._decode(self._tokens[self._prefix :])[len(self._decode(self._tokens[self._prefix : self._read])) :]

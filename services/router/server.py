@@ -24,11 +24,11 @@ from services.common.drain import Drain
 from services.common.logs import current_request_id
 from services.common.media_refs import media_span
 from services.common.model_info import ModelInfo
-from services.common.rpc.epd.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common.rpc.epd.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
 from services.common.tls import Dialer
 from services.common.tracing import tracer
 from services.router.accounting import Accounted
-from services.router.admission import Admission, Rejection, Reserved
+from services.router.admission import Admission, Rejection
 from services.router.auth import DEFAULT_TENANT
 from services.router.cluster_view import ClusterView
 from services.router.config import RouterConfig
@@ -37,17 +37,15 @@ from services.router.errors import RequestError
 from services.router.metrics import RouterMetrics
 from services.router.migration import Migrations, Progress, WorkerLost, continuation, lost_reason, watch_vanished
 from services.router.output import Choices, TokenTexts
+from services.router.relay import Relays
 from services.router.request_blocks import RequestBlocks
 from services.router.request_prep import RequestPrep
 from services.router.request_record import RequestRecord, admission_attributes, note_worker
 from services.router.stream_state import StreamState
 from services.router.tenants import Tenancy, prefix_salt, scope_items
+from services.router.worker_stream import RelayLostError, WorkerStream, open_worker
 
 log = logging.getLogger(__name__)
-# A worker's answers before it admitted anything that send the request to the next worker: full, draining, or
-# shutting down (a stopping gRPC server cancels the calls it still gets: a migrating request may reach a worker
-# that drained a moment ago, before the router's view of the registry caught up).
-REFUSALS = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 DRAINING = "router is draining (shutting down): send the request to another router replica"
 
 
@@ -81,6 +79,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._view = view
         self._tenancy = tenancy
         self._token_texts = TokenTexts(info.adapter.tokenizer)
+        self.relays = Relays(self.channel)  # one token stream per worker for all of this router's requests
         self.drain = Drain()  # gRPC calls being served; refused with UNAVAILABLE once the router drains
 
     def channel(self, address: str) -> grpc.aio.Channel:
@@ -182,7 +181,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             record.finish(outcome, failure, refusal)
 
     async def _open_worker(self, worker: str, request: worker_pb2.WorkerRequest, deadline: float):
-        return await open_worker(self.channel(worker), worker, request, deadline)
+        return await open_worker(self.channel(worker), worker, request, deadline, self.relays.ready(worker))
 
     async def _generate(
         self, request: generation_pb2.GenerateRequest, timeout_s: float | None, start: float, tenant: str
@@ -209,7 +208,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             embedding_timeout_s=min(timeout, self._config.encode_timeout_s),
         )
         choices = Choices(self._info.adapter.tokenizer, list(sampling.stop), sampling.n, self._token_texts)
-        state = StreamState(choices, Progress(sampling.n), start, intake_s=time.perf_counter() - intake_from)
+        intake_s = time.perf_counter() - intake_from
+        state = StreamState(choices, Progress(sampling.n), start, intake_s, prompt_tokens=accounted.prompt_tokens)
         migrations = Migrations(
             self._config.migration_limit, lambda reason: self._metrics.migrations.add(1, {"reason": reason})
         )
@@ -277,17 +277,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             state.encode_stages.MergeFrom(task.result().stages)  # a migration's encode: the later one's stages
 
     async def _stream(
-        self, call, worker: str, encode: asyncio.Task, vanished: asyncio.Event, state: StreamState, end: StreamEnd
+        self,
+        call: WorkerStream,
+        worker: str,
+        encode: asyncio.Task,
+        vanished: asyncio.Event,
+        state: StreamState,
+        end: StreamEnd,
     ):
         """The worker's responses as client chunks until every choice is done or the stream ends."""
         try:
-            while (response := await call.read()) is not grpc.aio.EOF:
+            while (response := await call.read()) is not None:
                 end.released_at = response.state_at or end.released_at  # set on the worker's last message only
                 chunk = state.take(response, self._metrics)
                 if chunk is not None:
                     yield chunk
                 if state.choices.done:  # every choice finished, or ended here at a stop string
                     break
+        except RelayLostError as exc:
+            raise WorkerLost(worker, "relay", str(exc)) from None
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
             if vanished.is_set():
                 raise WorkerLost(worker, "vanished", "missing from the registry") from None
@@ -302,23 +310,3 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if reason is not None:
                 raise WorkerLost(worker, reason, f"{exc.code().name}: {exc.details()}") from exc
             raise RequestError(exc.code(), f"worker {worker}: {exc.details()}") from exc
-
-
-async def open_worker(
-    channel: grpc.aio.Channel, worker: str, request: worker_pb2.WorkerRequest, deadline: float
-) -> Reserved | None:
-    """Open the worker stream on `channel` and wait for admission: the stream when the worker admitted the
-    request; None when it refused (one of `REFUSALS`, or it ended without admitting); RequestError naming the
-    worker for any other status."""
-    timeout = max(0.001, deadline - time.monotonic())
-    call = worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=timeout)
-    try:
-        first = await call.read()
-    except grpc.aio.AioRpcError as exc:
-        if exc.code() in REFUSALS:
-            return None
-        raise RequestError(exc.code(), f"worker {worker}: {exc.details()}") from exc
-    if first is grpc.aio.EOF or not first.admitted:
-        call.cancel()
-        return None
-    return Reserved(call, first.state_at)

@@ -31,7 +31,9 @@ class StreamState:
     embedding_wait_s: float = 0.0
     encode_stages: common_pb2.EncodeStages = field(default_factory=common_pb2.EncodeStages)
     cached: int = 0
+    prompt_tokens: int = 0  # told on the first chunk (usage before the end)
     _last: float = field(default=0.0, repr=False)
+    _told_prompt: bool = field(default=False, repr=False)
 
     def take(self, response: worker_pb2.WorkerResponse, metrics: RouterMetrics) -> generation_pb2.Chunk | None:
         """A worker response in: record its timing, keep its tokens, return the chunk to stream (if any)."""
@@ -48,6 +50,8 @@ class StreamState:
         chunk = self.choices.chunk(response)
         if chunk is not None:
             self.progress.add(response.index, list(response.token_ids))
+            if not self._told_prompt:
+                chunk.prompt_tokens, self._told_prompt = self.prompt_tokens, True
         return chunk
 
     def final(self, accounted: Accounted, request_id: str, migrations: int) -> generation_pb2.Final:

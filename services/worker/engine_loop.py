@@ -6,6 +6,8 @@ while sequences decode under an ITL target, for at most the engine's `command_bu
 steps (the rest run in the next gap).
 Each request's outputs go to the sink given with it; the sink is dropped when the request
 finishes (its last choice: `request_finished`) or is aborted, so no output is delivered after that.
+An iteration's outputs (or a failure's Nones) reach their sinks through one `deliver` call, the whole
+batch at once: a host that hands them to an event loop wakes it once per step, not once per sequence.
 """
 
 from __future__ import annotations
@@ -24,6 +26,13 @@ from services.common.priority import lower_priority
 log = logging.getLogger(__name__)
 
 Sink = Callable[[Any], None]
+Delivery = Callable[[list[tuple[Sink, Any]]], None]
+
+
+def call_sinks(batch: list[tuple[Sink, Any]]) -> None:
+    """The default delivery: each sink called with its output, in order, on the calling thread."""
+    for sink, output in batch:
+        sink(output)
 
 
 class EngineLike(Protocol):
@@ -59,6 +68,7 @@ class EngineLoop:
         self._engine = engine
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
+        self.deliver: Delivery = call_sinks  # called on this loop's thread with each iteration's outputs
         self.finished_at: dict[str, float] = {}  # request id -> when its blocks were freed; popped by the server
         self._idle_wait_s = idle_wait_s
         self._stopped = threading.Event()
@@ -153,19 +163,22 @@ class EngineLoop:
                 self._drain(block=not self._engine.has_work())
                 self._snapshot()  # admissions just made are visible before the (slow) step
                 if self._engine.has_work():
+                    batch = []
                     for output in self._engine.step():
                         sink = self._sinks.get(output.request_id)
                         if output.request_finished:
                             self._sinks.pop(output.request_id, None)
                             self.finished_at[output.request_id] = time.time()  # freed, before any later snapshot
                         if sink is not None:
-                            sink(output)
+                            batch.append((sink, output))
+                    if batch:
+                        self.deliver(batch)
                 self._snapshot()
                 if self._after_iteration is not None:
                     self._after_iteration()
             except Exception:  # a bug in one step must not kill the worker silently
                 log.exception("engine step failed; failing the running requests")
-                for request_id, sink in list(self._sinks.items()):
-                    self._sinks.pop(request_id, None)
+                sinks, self._sinks = self._sinks, {}
+                for request_id in sinks:
                     self._engine.abort(request_id)
-                    sink(None)
+                self.deliver([(sink, None) for sink in sinks.values()])

@@ -36,7 +36,7 @@ import torch
 from services.worker.config import WorkerConfig
 from services.worker.engine.step_cost import DEFAULT_PRIOR, StepTiming
 from services.worker.engine_child import child_main
-from services.worker.engine_loop import KVSnapshot, Sink
+from services.worker.engine_loop import Delivery, KVSnapshot, Sink, call_sinks
 from services.worker.engine_pipe import Abort, Admit, Embedding, Encode, Failed, Ready, Reply, Stop, Update
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ class EngineProcess:
         self.finished_at: dict[str, float] = {}  # request id -> when its blocks were freed; popped by the server
         self.step_costs = StepCosts()
         self.on_step: Callable[[StepTiming], None] | None = None
+        self.deliver: Delivery = call_sinks  # called on the reader thread with each update's outputs, at once
 
     @property
     def kv_state(self) -> Any:
@@ -209,13 +210,16 @@ class EngineProcess:
         self.finished_at.update(finished)  # before the sinks: the server reads it on the last output
         self.snapshot = update.snapshot
         self.step_costs.coefficients = update.coefficients
-        for request_id, output in update.outputs:
-            with self._lock:
+        batch = []
+        with self._lock:
+            for request_id, output in update.outputs:
                 sink = self._sinks.get(request_id)
                 if output is None or output.request_finished:
                     self._sinks.pop(request_id, None)
-            if sink is not None:
-                sink(output)
+                if sink is not None:
+                    batch.append((sink, output))
+        if batch:
+            self.deliver(batch)
         if self.on_step is not None:  # after the sinks: a failing metrics callback costs metrics, not tokens
             for timing in update.timings:
                 self.on_step(timing)
@@ -231,8 +235,7 @@ class EngineProcess:
         if self._stopping or not self._ready.is_set():
             return
         log.critical("the engine process died (%s); failing %d running request(s)", self._failure, len(sinks))
-        for sink in sinks.values():
-            sink(None)
+        self.deliver([(sink, None) for sink in sinks.values()])
         self._on_lost()
 
 

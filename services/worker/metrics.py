@@ -38,6 +38,7 @@ class WorkerMetrics:
     transfer_bytes: Counter
     step_prefill_budget: Histogram
     step_time_ratio: Histogram
+    relayed_responses: Counter
 
     @classmethod
     def create(cls, meter: Meter, kv_state: Callable[[], Any], step_costs: StepCostModel) -> WorkerMetrics:
@@ -86,6 +87,9 @@ class WorkerMetrics:
             ),
             generation_tokens=meter.create_counter(
                 "epd_generation_tokens", unit="tokens", description="tokens generated"
+            ),
+            relayed_responses=meter.create_counter(
+                "epd_relayed_responses", description="responses (a request's new tokens) sent on routers' relays"
             ),
             prefill_seconds=meter.create_histogram(
                 "epd_request_prefill_time_seconds", unit="s", description="seconds from admission to the first token"

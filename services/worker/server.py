@@ -9,7 +9,9 @@ A request of `sampling.n` choices streams each response for one choice (`index`)
 ends once every choice finished. On SIGTERM the worker drains (`RunningWorker.drain`, worker/startup.py):
 it leaves the registry, refuses new requests with UNAVAILABLE, lets the running ones finish for up to the
 drain timeout, then ends the rest with UNAVAILABLE (trailing `epd-migrate-reason: drain`) so their routers
-migrate them.
+migrate them. A request that names its router's open relay (`relay_id`, services/worker/relay.py) has its tokens
+sent there, batched with the router's other requests per step; its Generate stream then carries only `admitted`
+and its end (a closed relay ends it with UNAVAILABLE).
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ from services.worker.config import WorkerConfig
 from services.worker.embedding_store import EmbeddingStore
 from services.worker.engine.request import StepOutput
 from services.worker.engine.reservation import NeverFits
-from services.worker.engine_loop import EngineLoop
+from services.worker.engine_loop import EngineLoop, call_sinks
 from services.worker.engine_process import EngineGone, EngineProcess
 from services.worker.messages import by_choice, engine_request, response
 from services.worker.metrics import WorkerMetrics
+from services.worker.relay import Relay, RelayClosed
 
 log = logging.getLogger(__name__)
 
@@ -73,13 +76,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._metrics = metrics
         self._dist = dist or DistReceiver.for_service(config.host, config.address, device=config.device)
         self._outbox: LoopMailbox | None = None
+        loop.deliver = self._deliver  # a step's outputs: one wake-up of this event loop for all of them
         self.drain = Drain()
         self._streams: dict[str, asyncio.Queue] = {}  # in-flight requests' output queues (drain ends them)
+        self._relays: dict[str, Relay] = {}  # open relays by id (services/worker/relay.py)
 
     def _mailbox(self) -> LoopMailbox:
         """The one mailbox from the engine thread to this event loop (a step's tokens: one wake-up)."""
         if self._outbox is None:
             self._outbox = LoopMailbox(asyncio.get_running_loop())
+        return self._outbox
+
+    def _deliver(self, batch: list) -> None:
+        """From the engine's thread: run each output's sink (its request's queue) on this event loop."""
+        self._mailbox_from_thread().post(call_sinks, batch)
+
+    def _mailbox_from_thread(self) -> LoopMailbox:
+        if self._outbox is None:  # outputs follow an admission, which made it on the loop
+            raise RuntimeError("engine output before any admission")
         return self._outbox
 
     def capacity_blocks(self) -> int:
@@ -90,11 +104,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.WorkerRequest, context: grpc.aio.ServicerContext, outputs: asyncio.Queue
     ) -> float:
         """Reserve and enqueue the request; returns the admission time (worker clock) or aborts the RPC."""
-        mailbox = self._mailbox()
+        self._mailbox()
         try:
-            admitted = await asyncio.wrap_future(
-                self._loop.add_admitted(engine_request(request), lambda out: mailbox.post(outputs.put_nowait, out))
-            )
+            admitted = await asyncio.wrap_future(self._loop.add_admitted(engine_request(request), outputs.put_nowait))
         except NeverFits as exc:  # the engine's one capacity check: another worker may hold it
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:
@@ -134,6 +146,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         admitted_from = time.perf_counter()
         stages.mark("worker.queue", {"epd.prompt_tokens": len(request.token_ids), "epd.items": len(request.media)})
         self._streams[request.request_id] = outputs
+        relay = self._relays.get(request.relay_id) if request.relay_id else None
+        if relay is not None:
+            relay.bind(request.request_id, outputs)
         timeout = request.embedding_timeout_s or self._config.embedding_timeout_s
         fetchers = [asyncio.create_task(self._fetch(m.mm_hash, timeout)) for m in request.media]
         embedded = _LastDone(fetchers)  # when the last embedding arrived: the first response's encode_wait_s
@@ -153,6 +168,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, message, trailing_metadata=DRAIN_METADATA)
                 if isinstance(last, FetchFailed):
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, last.message)
+                if isinstance(last, RelayClosed):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"relay {last.relay_id} closed")
                 if last is None:
                     await context.abort(grpc.StatusCode.INTERNAL, "engine step failed; see worker log")
                 finished = last.request_finished
@@ -172,11 +189,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     message = response(group, time.perf_counter() - start, freed_at if group[-1] is last else 0.0)
                     if opening:
                         message.encode_wait_s = embedded.seconds_after(admitted_from)
-                    yield message
+                    if relay is None:
+                        yield message
+                    else:
+                        message.request_id = request.request_id
+                        relay.send(message)
                 if finished:
                     return
         finally:
             self._streams.pop(request.request_id, None)
+            if relay is not None:
+                relay.unbind(request.request_id)
             watcher.cancel()
             for task in fetchers:
                 task.cancel()
@@ -184,6 +207,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self._loop.abort(request.request_id)
                 stages.mark("worker.ended", {"gen_ai.usage.completion_tokens": generated}, error="ended early")
             self._loop.finished_at.pop(request.request_id, None)
+
+    async def Relay(self, request: worker_pb2.RelayOpen, context: grpc.aio.ServicerContext):
+        """A router's relay (services/worker/relay.py): open until the router ends it or this worker stops. Not
+        counted by the drain: it carries the draining requests' last tokens."""
+        if not request.relay_id or request.relay_id in self._relays:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"relay id {request.relay_id!r} is empty or in use")
+        relay = self._relays[request.relay_id] = Relay(request.relay_id)
+        try:
+            async for batch in relay.batches():
+                yield batch
+                self._metrics.relayed_responses.add(len(batch.responses))
+        finally:
+            self._relays.pop(request.relay_id, None)
+            relay.close()
 
     def _record_finished(self, prompt_tokens: int, cached_tokens: int, generated: int) -> None:
         self._metrics.prefix_cache_queries.add(prompt_tokens)

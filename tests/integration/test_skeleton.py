@@ -295,3 +295,64 @@ def test_worker_ends_a_request_whose_embedding_never_comes(cluster: Cluster) -> 
         time.sleep(0.05)
     assert metric_value(worker.metrics_port, "epd_kv_cache_reserved_blocks") == 0
     assert list(cluster.client.generate(user_request(PROMPT, max_tokens=MAX_TOKENS)).token_ids)
+
+
+def _text_request(adapter, request_id: str, prompt: str, relay_id: str = "") -> worker_pb2.WorkerRequest:
+    built = adapter.build_prompt([ChatMessage("user", [ChatPart("text", prompt)])], [])
+    sampling = common_pb2.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    return worker_pb2.WorkerRequest(
+        request_id=request_id, token_ids=built.token_ids, sampling=sampling, relay_id=relay_id
+    )
+
+
+def test_a_relay_carries_its_requests_tokens_batched_per_step(cluster: Cluster) -> None:
+    """The router's requests come back on its relay. A relay: requests naming it get every token there, their
+    own Generate streams carrying only `admitted`; messages carry several requests' tokens at once; the tokens
+    equal those of the same requests streamed on their own calls; closing the relay ends a request still bound
+    with UNAVAILABLE, its blocks freed."""
+    adapter = load_model_info(cluster.model_dir).adapter
+    prompts = [f"{PROMPT} Number {i}." for i in range(4)]
+    worker = cluster.local.workers[0]
+    before = metric_value(worker.metrics_port, "epd_relayed_responses_total")
+    for _ in range(3):  # the router opens its relay at its first request to the worker; the next ones use it
+        assert list(cluster.client.generate(user_request(PROMPT, max_tokens=MAX_TOKENS)).token_ids)
+    assert metric_value(worker.metrics_port, "epd_relayed_responses_total") > before
+    with grpc.insecure_channel(worker.address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        alone = [
+            [t for r in stub.Generate(_text_request(adapter, f"a{i}", p), timeout=60) for t in r.token_ids]
+            for i, p in enumerate(prompts)
+        ]
+        relay = stub.Relay(worker_pb2.RelayOpen(relay_id="test-relay"), timeout=120)
+        assert not next(relay).responses  # the opening message: requests may name it now
+        calls = [
+            stub.Generate(_text_request(adapter, f"r{i}", p, "test-relay"), timeout=60) for i, p in enumerate(prompts)
+        ]
+        relayed: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        finished: set[str] = set()
+        shared = 0
+        while len(finished) < len(prompts):
+            batch = next(relay)
+            shared += len({r.request_id for r in batch.responses}) > 1
+            for response in batch.responses:
+                relayed[response.request_id].extend(response.token_ids)
+                if response.finished:
+                    finished.add(response.request_id)
+        for call in calls:
+            assert [bool(r.admitted) for r in call] == [True]  # admitted, then the end: no tokens on the call
+        assert [relayed[f"r{i}"] for i in range(len(prompts))] == alone
+        assert metric_value(worker.metrics_port, "epd_relayed_responses_total") >= len(prompts)
+        assert shared, "some message carries several requests' tokens"
+
+        long = _text_request(adapter, "bound", PROMPT, "test-relay")
+        long.sampling.max_tokens = 4000
+        bound = stub.Generate(long, timeout=60)
+        assert next(bound).admitted
+        relay.cancel()
+        with pytest.raises(grpc.RpcError) as ended:
+            list(bound)
+    assert ended.value.code() == grpc.StatusCode.UNAVAILABLE and "relay" in ended.value.details()
+    deadline = time.monotonic() + 5  # the abort reaches the engine thread a moment after the status
+    while metric_value(worker.metrics_port, "epd_kv_cache_reserved_blocks") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric_value(worker.metrics_port, "epd_kv_cache_reserved_blocks") == 0

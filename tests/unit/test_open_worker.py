@@ -1,4 +1,4 @@
-"""How the router reads a worker's first answer (services/router/server.py `open_worker`), against real gRPC
+"""How the router reads a worker's first answer (services/router/worker_stream.py `open_worker`), against real gRPC
 servers on 127.0.0.1: admitted, refused (full, draining, or cancelled by a server that is stopping: the call
 then goes to the next worker), or failed with a status that names the worker.
 
@@ -18,7 +18,7 @@ import pytest
 
 from services.common.rpc.epd.v1 import worker_pb2, worker_pb2_grpc
 from services.router.errors import RequestError
-from services.router.server import open_worker
+from services.router.worker_stream import open_worker
 
 
 class _Worker(worker_pb2_grpc.WorkerServicer):

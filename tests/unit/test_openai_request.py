@@ -20,7 +20,7 @@ from services.router.openai_request import (
     completion_request,
     generate_request,
 )
-from services.router.openai_response import Envelope, TextChunkWriter, TextCompletionBuilder
+from services.router.openai_response import ChunkWriter, Envelope, StreamUsage, TextChunkWriter, TextCompletionBuilder
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -103,7 +103,7 @@ def test_errors_name_the_field_as_the_body_sent_it() -> None:
     assert refusal({"messages": []}) == ("messages", "messages: must have at least 1 item")
     calls = [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]
     assert refusal({"messages": calls})[0] == "messages[0].tool_calls"
-    streamed = {"stream": True, "stream_options": {"continuous_usage_stats": True}}
+    streamed = {"stream": True, "stream_options": {"continuous_usage_stats": "often"}}
     assert refusal({"messages": USER, **streamed})[0] == "stream_options.continuous_usage_stats"
     assert refusal(b"{not json") == (None, "the body is not valid JSON: key must be a string at line 1 column 2")
     assert refusal({"prompt": [1, 2]}, CompletionRequest)[0] == "prompt"
@@ -170,13 +170,37 @@ def test_text_completion_objects() -> None:
             "finish_reason": "length",
         }
     ]
-    writer = TextChunkWriter(envelope, include_usage=True, logprobs=True)
+    writer = TextChunkWriter(envelope, StreamUsage(include=True), logprobs=True)
     assert writer.start() == []
     streamed = [c for response in [*chunks, final] for c in writer.add(response)]
     assert [c["choices"][0]["text"] for c in streamed[:3]] == ["He", "llo", ""]
     assert [c["choices"][0]["logprobs"]["text_offset"] for c in streamed[:2]] == [[0], [2]]
     assert streamed[2]["choices"][0]["finish_reason"] == "length"
     assert streamed[3]["choices"] == [] and streamed[3]["usage"]["completion_tokens"] == 2
+
+
+def test_continuous_usage_counts_every_streamed_token() -> None:
+    """vLLM's `continuous_usage_stats`: each chunk carries the usage so far, tokens whose text is held back
+    included (the prompt's count comes on the first chunk); without it, `usage: null` until the last chunk."""
+    chunks = [
+        generation_pb2.GenerateResponse(chunk=generation_pb2.Chunk(token_ids=[1], text="He", prompt_tokens=7)),
+        generation_pb2.GenerateResponse(chunk=generation_pb2.Chunk(token_ids=[2, 3], text="")),  # held back
+        generation_pb2.GenerateResponse(chunk=generation_pb2.Chunk(token_ids=[4], text="llo")),
+    ]
+    envelope = Envelope("chatcmpl-1", 0, "m")
+    request = ChatCompletionRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
+    )
+    assert request.continuous_usage
+    writer = ChunkWriter(envelope, 1, StreamUsage(request.include_usage, request.continuous_usage))
+    usages = [c["usage"] for response in chunks for c in writer.add(response)]
+    assert [(u["prompt_tokens"], u["completion_tokens"], u["total_tokens"]) for u in usages] == [(7, 1, 8), (7, 4, 11)]
+    plain = ChunkWriter(envelope, 1, StreamUsage(include=True))
+    assert [c["usage"] for response in chunks for c in plain.add(response)] == [None, None]
 
 
 def test_openapi_document_states_the_request_models() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
 from transformers import AutoTokenizer
 
 from services.router.output import Detokenizer
@@ -23,25 +24,40 @@ def _stream(detok: Detokenizer, tokens: list[int], seed: int) -> tuple[str, bool
     return out + detok.flush(), False
 
 
-def test_pieces_add_up_to_the_full_decode(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("use_stream", [True, False], ids=["decode-stream", "window"])
+def test_pieces_add_up_to_the_full_decode(tiny_model_dir: Path, use_stream: bool) -> None:
+    """Byte-level BPE (Qwen's): random ids and words, by the tokenizer's own stream and by windows."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert (Detokenizer(tokenizer, use_stream=use_stream)._stream is not None) == use_stream  # both paths run
     vocab = len(tokenizer)
     for seed in range(20):
         rng = random.Random(seed)
         tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 120))]
-        text, stopped = _stream(Detokenizer(tokenizer), tokens, seed)
+        text, stopped = _stream(Detokenizer(tokenizer, use_stream=use_stream), tokens, seed)
         assert not stopped
         assert text == tokenizer.decode(tokens, skip_special_tokens=True)
+    words = tokenizer("the window near the small table, and the cat", add_special_tokens=False)["input_ids"]
+    assert _stream(Detokenizer(tokenizer, use_stream=use_stream), words, 1)[0] == tokenizer.decode(
+        words, skip_special_tokens=True
+    )
+
+
+def test_a_byte_fallback_tokenizer_decodes_by_windows(tiny_llava_dir: Path) -> None:
+    """LLaVA's tokenizer (byte fallback): the stream's text could differ from `decode`'s on invalid bytes, so
+    the window decodes it; words add up to the full decode."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llava_dir)
+    assert Detokenizer(tokenizer)._stream is None
     words = tokenizer("the window near the small table, and the cat", add_special_tokens=False)["input_ids"]
     assert _stream(Detokenizer(tokenizer), words, 1)[0] == tokenizer.decode(words, skip_special_tokens=True)
 
 
-def test_stop_string_cuts_the_text(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("use_stream", [True, False], ids=["decode-stream", "window"])
+def test_stop_string_cuts_the_text(tiny_model_dir: Path, use_stream: bool) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokens = tokenizer("the window near the small table, and the cat sat", add_special_tokens=False)["input_ids"]
     full = tokenizer.decode(tokens, skip_special_tokens=True)
     for stop in ("small", "table, and", "sat", "nowhere"):
-        text, stopped = _stream(Detokenizer(tokenizer, [stop]), tokens, 3)
+        text, stopped = _stream(Detokenizer(tokenizer, [stop], use_stream), tokens, 3)
         if stop in full:
             assert stopped and text == full[: full.index(stop)]
         else:

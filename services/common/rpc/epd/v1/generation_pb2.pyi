@@ -88,16 +88,18 @@ class Timing(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., encode_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., total_s: _Optional[float] = ..., intake_s: _Optional[float] = ..., embedding_wait_s: _Optional[float] = ..., encode_stages: _Optional[_Union[_common_pb2.EncodeStages, _Mapping]] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("token_ids", "text", "index", "logprobs")
+    __slots__ = ("token_ids", "text", "index", "logprobs", "prompt_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     index: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    prompt_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ChoiceEnd(_message.Message):
     __slots__ = ("index", "finish_reason", "completion_tokens")

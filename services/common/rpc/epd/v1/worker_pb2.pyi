@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "media", "sampling", "cache_salt", "embedding_timeout_s", "generated_tokens")
+    __slots__ = ("request_id", "token_ids", "media", "sampling", "cache_salt", "embedding_timeout_s", "generated_tokens", "relay_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class WorkerRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     media: _containers.RepeatedCompositeFieldContainer[_common_pb2.MediaRef]
@@ -23,10 +24,11 @@ class WorkerRequest(_message.Message):
     cache_salt: str
     embedding_timeout_s: float
     generated_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., media: _Optional[_Iterable[_Union[_common_pb2.MediaRef, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., embedding_timeout_s: _Optional[float] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+    relay_id: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., media: _Optional[_Iterable[_Union[_common_pb2.MediaRef, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., embedding_timeout_s: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., relay_id: _Optional[str] = ...) -> None: ...
 
 class WorkerResponse(_message.Message):
-    __slots__ = ("token_ids", "finished", "finish_reason", "cached_tokens", "prefill_s", "encode_wait_s", "admitted", "state_at", "index", "logprobs")
+    __slots__ = ("token_ids", "finished", "finish_reason", "cached_tokens", "prefill_s", "encode_wait_s", "admitted", "state_at", "index", "logprobs", "request_id")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +39,7 @@ class WorkerResponse(_message.Message):
     STATE_AT_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finished: bool
     finish_reason: str
@@ -47,7 +50,20 @@ class WorkerResponse(_message.Message):
     state_at: float
     index: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., prefill_s: _Optional[float] = ..., encode_wait_s: _Optional[float] = ..., admitted: _Optional[bool] = ..., state_at: _Optional[float] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    request_id: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., prefill_s: _Optional[float] = ..., encode_wait_s: _Optional[float] = ..., admitted: _Optional[bool] = ..., state_at: _Optional[float] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class RelayOpen(_message.Message):
+    __slots__ = ("relay_id",)
+    RELAY_ID_FIELD_NUMBER: _ClassVar[int]
+    relay_id: str
+    def __init__(self, relay_id: _Optional[str] = ...) -> None: ...
+
+class RelayBatch(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[WorkerResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[WorkerResponse, _Mapping]]] = ...) -> None: ...
 
 class EmbeddingChunk(_message.Message):
     __slots__ = ("mm_hash", "meta", "data", "last")

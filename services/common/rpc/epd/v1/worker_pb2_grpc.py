@@ -63,6 +63,11 @@ class WorkerStub:
                 request_serializer=epd_dot_v1_dot_worker__pb2.DistTransfer.SerializeToString,
                 response_deserializer=epd_dot_v1_dot_worker__pb2.PushAck.FromString,
                 _registered_method=True)
+        self.Relay = channel.unary_stream(
+                '/epd.v1.Worker/Relay',
+                request_serializer=epd_dot_v1_dot_worker__pb2.RelayOpen.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_worker__pb2.RelayBatch.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -104,6 +109,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Relay(self, request, context):
+        """One stream per (router, worker) pair: the tokens of every request that named this relay
+        (`WorkerRequest.relay_id`), one message per engine step for all of them. The first message is
+        empty: the relay is open, requests may name it. Generate stays each request's admission and
+        lifetime (cancel it to abort); its stream then carries `admitted`, and ends when the request does.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +146,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.PushDist,
                     request_deserializer=epd_dot_v1_dot_worker__pb2.DistTransfer.FromString,
                     response_serializer=epd_dot_v1_dot_worker__pb2.PushAck.SerializeToString,
+            ),
+            'Relay': grpc.unary_stream_rpc_method_handler(
+                    servicer.Relay,
+                    request_deserializer=epd_dot_v1_dot_worker__pb2.RelayOpen.FromString,
+                    response_serializer=epd_dot_v1_dot_worker__pb2.RelayBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -272,6 +292,33 @@ class Worker:
             '/epd.v1.Worker/PushDist',
             epd_dot_v1_dot_worker__pb2.DistTransfer.SerializeToString,
             epd_dot_v1_dot_worker__pb2.PushAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Relay(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/epd.v1.Worker/Relay',
+            epd_dot_v1_dot_worker__pb2.RelayOpen.SerializeToString,
+            epd_dot_v1_dot_worker__pb2.RelayBatch.FromString,
             options,
             channel_credentials,
             insecure,
