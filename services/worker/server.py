@@ -37,8 +37,8 @@ from services.worker.config import WorkerConfig
 from services.worker.embedding_store import EmbeddingStore
 from services.worker.engine.request import StepOutput
 from services.worker.engine.reservation import NeverFits
-from services.worker.engine_loop import EngineLoop, call_sinks
-from services.worker.engine_process import EngineGone, EngineProcess
+from services.worker.engine_host.host import EngineHost, call_sinks
+from services.worker.engine_host.process_host import EngineGone
 from services.worker.messages import by_choice, engine_request, response
 from services.worker.metrics import WorkerMetrics
 from services.worker.relay import Relay, RelayClosed
@@ -64,19 +64,19 @@ DRAIN_METADATA = (("epd-migrate-reason", "drain"),)
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(
         self,
-        loop: EngineLoop | EngineProcess,
+        host: EngineHost,
         store: EmbeddingStore,
         config: WorkerConfig,
         metrics: WorkerMetrics,
         dist: DistReceiver | None = None,
     ) -> None:
-        self._loop = loop
+        self._host = host
         self._store = store
         self._config = config
         self._metrics = metrics
         self._dist = dist or DistReceiver.for_service(config.host, config.address, device=config.device)
         self._outbox: LoopMailbox | None = None
-        loop.deliver = self._deliver  # a step's outputs: one wake-up of this event loop for all of them
+        host.deliver = self._deliver  # a step's outputs: one wake-up of this event loop for all of them
         self.drain = Drain()
         self._streams: dict[str, asyncio.Queue] = {}  # in-flight requests' output queues (drain ends them)
         self._relays: dict[str, Relay] = {}  # open relays by id (services/worker/relay.py)
@@ -98,7 +98,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def capacity_blocks(self) -> int:
         """The most blocks one request could ever reserve here."""
-        return math.floor(self._loop.kv_state.total_blocks * self._config.overcommit)
+        return math.floor(self._host.kv_state.total_blocks * self._config.overcommit)
 
     async def _admit(
         self, request: worker_pb2.WorkerRequest, context: grpc.aio.ServicerContext, outputs: asyncio.Queue
@@ -106,7 +106,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Reserve and enqueue the request; returns the admission time (worker clock) or aborts the RPC."""
         self._mailbox()
         try:
-            admitted = await asyncio.wrap_future(self._loop.add_admitted(engine_request(request), outputs.put_nowait))
+            admitted = await asyncio.wrap_future(self._host.add_admitted(engine_request(request), outputs.put_nowait))
         except NeverFits as exc:  # the engine's one capacity check: another worker may hold it
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:
@@ -114,7 +114,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except EngineGone as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self._config.address}: {exc}")
         if admitted is None:
-            state, sampling, caching = self._loop.kv_state, request.sampling, self._config.enable_prefix_caching
+            state, sampling, caching = self._host.kv_state, request.sampling, self._config.enable_prefix_caching
             prompt = len(request.token_ids)
             needed = request_blocks(prompt, sampling.max_tokens, sampling.n, state.block_size, caching)
             await context.abort(
@@ -184,7 +184,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if finished:
                     self._record_finished(len(request.token_ids), cached, generated)
                     stages.mark("worker.decode", {"gen_ai.usage.completion_tokens": generated})
-                freed_at = self._loop.finished_at.pop(request.request_id, 0.0) if finished else 0.0
+                freed_at = self._host.finished_at.pop(request.request_id, 0.0) if finished else 0.0
                 for group in by_choice(outs):
                     message = response(group, time.perf_counter() - start, freed_at if group[-1] is last else 0.0)
                     if opening:
@@ -204,9 +204,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             for task in fetchers:
                 task.cancel()
             if not finished:
-                self._loop.abort(request.request_id)
+                self._host.abort(request.request_id)
                 stages.mark("worker.ended", {"gen_ai.usage.completion_tokens": generated}, error="ended early")
-            self._loop.finished_at.pop(request.request_id, None)
+            self._host.finished_at.pop(request.request_id, None)
 
     async def Relay(self, request: worker_pb2.RelayOpen, context: grpc.aio.ServicerContext):
         """A router's relay (services/worker/relay.py): open until the router ends it or this worker stops. Not
@@ -232,7 +232,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         start = time.perf_counter()
         tensor = await self._store.fetch(mm_hash, timeout_s)
         self._metrics.embedding_wait_seconds.record(time.perf_counter() - start)
-        self._loop.provide_embedding(mm_hash, tensor)
+        self._host.provide_embedding(mm_hash, tensor)
 
     @staticmethod
     async def _watch_fetches(tasks: list[asyncio.Task], outputs: asyncio.Queue) -> None:
@@ -293,7 +293,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         context: grpc.aio.ServicerContext,
     ) -> worker_pb2.AbortReply:
         try:
-            found = await asyncio.wrap_future(self._loop.abort(request.request_id))
+            found = await asyncio.wrap_future(self._host.abort(request.request_id))
         except EngineGone:
             found = False  # its engine process is gone, and the request with it
         return worker_pb2.AbortReply(found=found)

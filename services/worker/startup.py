@@ -21,8 +21,9 @@ from services.models.vision_runner import VisionRunner
 from services.worker.config import WorkerConfig
 from services.worker.embedding_store import EmbeddingStore
 from services.worker.engine.engine import Engine
-from services.worker.engine_loop import EngineLoop
-from services.worker.engine_process import EngineProcess
+from services.worker.engine_host.host import EngineHost
+from services.worker.engine_host.process_host import EngineProcess
+from services.worker.engine_host.thread_host import EngineLoop
 from services.worker.local_encoder import LocalEncoderServicer
 from services.worker.metrics import WorkerMetrics
 from services.worker.server import WorkerServicer
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 class RunningWorker:
     server: grpc_server.RunningServer
     servicer: WorkerServicer
-    loop: EngineLoop | EngineProcess
+    host: EngineHost
     heartbeat: Heartbeat
     telemetry: Telemetry
 
@@ -53,7 +54,7 @@ class RunningWorker:
         await self.heartbeat.stop()
         await self.server.stop()
         self.servicer.close()
-        self.loop.stop()
+        self.host.stop()
         self.telemetry.shutdown()
 
 
@@ -62,17 +63,19 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
     info = load_model_info(config.model)
     telemetry = Telemetry("worker", config.host, config.metrics_port, info.model_dir.resolve().name)
     cache = EmbeddingCache(CacheSettings.for_service(config, info.identity.revision))
+    host: EngineHost
     if config.engine_process:
-        loop = engine = runner = EngineProcess(config)  # the child loads the model; on_step is called here
+        process = EngineProcess(config)  # the child loads the model and runs the vision tower too
+        host, runner = process, process
     else:
         model = info.adapter.load_model(device=config.device, dtype=dtype_of(config.dtype))
-        engine = Engine(info.adapter, model, config.engine_config())  # on_step is called on the engine thread
-        loop, runner = EngineLoop(engine, nice=config.compute_nice), VisionRunner(info.adapter, model)
-    metrics = WorkerMetrics.create(telemetry.meter, lambda: loop.kv_state, engine.step_costs)
-    engine.on_step = metrics.record_step  # set before the engine starts
-    await asyncio.to_thread(loop.start)
+        engine = Engine(info.adapter, model, config.engine_config())
+        host, runner = EngineLoop(engine, nice=config.compute_nice), VisionRunner(info.adapter, model)
+    metrics = WorkerMetrics.create(telemetry.meter, lambda: host.kv_state, host.step_costs)
+    host.on_step = metrics.record_step  # set before the engine starts
+    await asyncio.to_thread(host.start)
     store = EmbeddingStore(cache)
-    servicer = WorkerServicer(loop, store, config, metrics)
+    servicer = WorkerServicer(host, store, config, metrics)
     local_encoder = LocalEncoderServicer(
         runner, store, cache, MediaLimits(max_pixels=config.max_image_pixels), config.address
     )
@@ -88,7 +91,7 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
     local_encoder.address = address
 
     def state() -> dict:
-        snapshot = loop.snapshot
+        snapshot = host.snapshot
         return {
             **dataclasses.asdict(snapshot.state),
             "capacity_blocks": servicer.capacity_blocks(),
@@ -106,7 +109,7 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
     )
     await heartbeat.start()
     await running.set_serving([b.name for b in bindings])  # healthy once routers can find it
-    kv = loop.kv_state
+    kv = host.kv_state
     log.info(
         "worker serving on %s (model %s, attention %s, %d KV blocks of %d tokens)",
         address,
@@ -115,4 +118,4 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
         kv.total_blocks,
         kv.block_size,
     )
-    return RunningWorker(running, servicer, loop, heartbeat, telemetry)
+    return RunningWorker(running, servicer, host, heartbeat, telemetry)

@@ -16,8 +16,8 @@ import pytest
 
 from services.worker.config import WorkerConfig
 from services.worker.engine.request import EngineRequest, SamplingOptions
-from services.worker.engine_loop import EngineLoop
-from services.worker.engine_process import EngineGone, EngineProcess
+from services.worker.engine_host.process_host import EngineGone, EngineProcess
+from services.worker.engine_host.thread_host import EngineLoop
 from tests.engine_support import build_prompt, image
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], list(range(20, 90)), [100, 3, 100, 3, 7]]

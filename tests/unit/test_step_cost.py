@@ -209,7 +209,7 @@ def test_engine_loop_bounds_its_commands_between_steps_under_a_target(
     from services.worker.engine.config import EngineConfig
     from services.worker.engine.engine import Engine
     from services.worker.engine.request import EngineRequest, SamplingOptions
-    from services.worker.engine_loop import EngineLoop
+    from services.worker.engine_host.thread_host import EngineLoop
 
     adapter, model = loaded
     config = EngineConfig(kv_cache_bytes=4 << 20, max_model_len=1024, itl_target_ms=itl_target_ms)

@@ -19,8 +19,8 @@ import torch
 
 from services.worker.config import WorkerConfig
 from services.worker.engine.step_cost import StepTiming
-from services.worker.engine_loop import EngineLoop
-from services.worker.engine_pipe import Abort, Admit, Embedding, Encode, Failed, Ready, Reply, Stop, Update
+from services.worker.engine_host.pipe import Abort, Admit, Embedding, Encode, Failed, Ready, Reply, Stop, Update
+from services.worker.engine_host.thread_host import EngineLoop
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Runs the engine on its own thread and feeds results back to asyncio.
+"""The thread host: runs the engine on a thread of the worker process and feeds results back to asyncio.
 
 The engine is not thread-safe; every call into it happens on this loop's thread. Other
 threads submit commands (add, provide an embedding, abort), which run in order before the next step;
@@ -18,44 +18,17 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from services.common.priority import lower_priority
+from services.worker.engine_host.host import Delivery, EngineLike, KVSnapshot, Sink, call_sinks
 
 log = logging.getLogger(__name__)
 
-Sink = Callable[[Any], None]
-Delivery = Callable[[list[tuple[Sink, Any]]], None]
-
-
-def call_sinks(batch: list[tuple[Sink, Any]]) -> None:
-    """The default delivery: each sink called with its output, in order, on the calling thread."""
-    for sink, output in batch:
-        sink(output)
-
-
-class EngineLike(Protocol):
-    def admit(self, request: Any) -> bool: ...
-    def add_request(self, request: Any) -> None: ...
-    def provide_embedding(self, mm_hash: str, tensor: Any) -> None: ...
-    def abort(self, request_id: str) -> bool: ...
-    def step(self) -> list[Any]: ...
-    def has_work(self) -> bool: ...
-    def command_budget_s(self) -> float | None: ...
-    def kv_state(self) -> Any: ...
-
-
-@dataclass(frozen=True)
-class KVSnapshot:
-    """The engine's KV state and the time (taken before reading it) it was read; routers compare their
-    admissions and releases against `at`."""
-
-    state: Any
-    at: float
-
 
 class EngineLoop:
+    """The thread host (`EngineHost`): the engine stepped on a thread of this process, commands queued to it."""
+
     def __init__(
         self,
         engine: EngineLike,
@@ -78,6 +51,19 @@ class EngineLoop:
     @property
     def kv_state(self) -> Any:
         return self.snapshot.state
+
+    @property
+    def step_costs(self) -> Any:
+        return self._engine.step_costs
+
+    @property
+    def on_step(self) -> Callable[[Any], None] | None:
+        return self._engine.on_step
+
+    @on_step.setter
+    def on_step(self, callback: Callable[[Any], None] | None) -> None:
+        """Called on the engine thread with each timed step; set before `start`."""
+        self._engine.on_step = callback
 
     def start(self) -> None:
         self._thread.start()

@@ -1,4 +1,4 @@
-"""The engine in a process of its own (`EPD_ENGINE_PROCESS=true`), behind the interface of `EngineLoop`.
+"""The process host: the engine in a process of its own (`EPD_ENGINE_PROCESS=true`), an `EngineHost` as `EngineLoop` is.
 
 Why: in one process the engine thread shares the GIL with the worker's event loop and gRPC's poller thread.
 A CPU step is some hundred torch ops, each releasing the GIL and taking it back, and every message the event
@@ -35,9 +35,9 @@ import torch
 
 from services.worker.config import WorkerConfig
 from services.worker.engine.step_cost import DEFAULT_PRIOR, StepTiming
-from services.worker.engine_child import child_main
-from services.worker.engine_loop import Delivery, KVSnapshot, Sink, call_sinks
-from services.worker.engine_pipe import Abort, Admit, Embedding, Encode, Failed, Ready, Reply, Stop, Update
+from services.worker.engine_host.child import child_main
+from services.worker.engine_host.host import Delivery, KVSnapshot, Sink, call_sinks
+from services.worker.engine_host.pipe import Abort, Admit, Embedding, Encode, Failed, Ready, Reply, Stop, Update
 
 log = logging.getLogger(__name__)
 

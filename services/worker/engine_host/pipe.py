@@ -1,4 +1,4 @@
-"""What a worker and its engine process (`engine_process.py`, `engine_child.py`) say over their pipe.
+"""What a worker and its engine process (`process_host.py`, `child.py`) say over their pipe.
 
 Down: `Admit`, `Embedding`, `Abort`, `Encode` (each call with a token its `Reply` carries back), `Stop`. Up: `Ready`
 or `Failed` once at start, a `Reply` per call, an `Update` per engine-loop iteration that changed something.
@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing  # noqa: F401  (registers the tensor reductions: tensors cross in shared memory)
 
 from services.worker.engine.step_cost import StepTiming
-from services.worker.engine_loop import KVSnapshot
+from services.worker.engine_host.host import KVSnapshot
 
 
 @dataclasses.dataclass(frozen=True)
