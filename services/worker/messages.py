@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from services.common.grammar import constraint_of
 from services.common.media_refs import media_span
 from services.common.rpc.epd.v1 import common_pb2, worker_pb2
 from services.worker.engine.request import EngineRequest, SamplingOptions, StepOutput, TokenLogprobs
@@ -9,7 +10,8 @@ from services.worker.engine.request import EngineRequest, SamplingOptions, StepO
 
 def engine_request(request: worker_pb2.WorkerRequest) -> EngineRequest:
     """The engine's request for a router's: unset top_p and repetition_penalty are 1, n at least 1, seed and
-    logprobs None when unset; ``bad_words`` are the router's token-id sequences (``bad_words_token_ids``)."""
+    logprobs None when unset; ``bad_words`` are the router's token-id sequences (``bad_words_token_ids``); the
+    constraint as the router resolved it (``any_whitespace`` set)."""
     sampling = request.sampling
     return EngineRequest(
         request_id=request.request_id,
@@ -32,6 +34,7 @@ def engine_request(request: worker_pb2.WorkerRequest) -> EngineRequest:
             stop_token_ids=tuple(sampling.stop_token_ids),
             bad_words=tuple(tuple(word.ids) for word in sampling.bad_words_token_ids),
             logit_bias=tuple(sorted(sampling.logit_bias.items())),
+            structured=constraint_of(sampling),
         ),
         cache_salt=request.cache_salt,
         generated_tokens=request.generated_tokens,

@@ -82,6 +82,13 @@ class EngineConfig:
     )
     embedding_buffer_bytes: int = field(default=256 * 1024 * 1024, metadata={"help": "embeddings held for prefill"})
     seed: int = field(default=0, metadata={"help": "the engine's sampling seed for unseeded requests"})
+    grammar_cache_entries: int = field(
+        default=128, metadata={"help": "compiled structured-output grammars kept (0: none kept)"}
+    )
+    grammar_cache_bytes: int = field(default=512 << 20, metadata={"help": "bytes of compiled grammars kept"})
+    grammar_compile_timeout_s: float = field(
+        default=10.0, metadata={"help": "longest a request waits for its grammar to compile before it fails"}
+    )
     attention_backend: str = field(
         default="auto",
         metadata={"help": "auto, cpu-kernel, sdpa, flash, flash-reference or triton (docs/engine.md)"},
@@ -116,6 +123,12 @@ class EngineConfig:
             raise ValueError(f"{name('itl_target_ms')} must be >= 0 (0: off), got {self.itl_target_ms}")
         if self.embedding_buffer_bytes < 0:
             raise ValueError(f"{name('embedding_buffer_bytes')} must be >= 0")
+        for key in ("grammar_cache_entries", "grammar_cache_bytes"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{name(key)} must be >= 0, got {getattr(self, key)}")
+        if not self.grammar_compile_timeout_s > 0:
+            timeout = self.grammar_compile_timeout_s
+            raise ValueError(f"{name('grammar_compile_timeout_s')} must be positive, got {timeout}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"{name('max_model_len')} must be positive, got {self.max_model_len}")
         if self.attention_backend not in ATTENTION_BACKENDS:

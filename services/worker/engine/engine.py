@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +24,11 @@ from services.worker.engine.sampler import Sampler, reseed_for_position
 from services.worker.engine.scheduler import Scheduler, SchedulerOutput
 from services.worker.engine.sequence import Sequence, request_choices
 from services.worker.engine.step_cost import StepCostModel, StepShape, StepTiming
+from services.worker.engine.structured import StructuredOutputs, apply_bitmask
+
+log = logging.getLogger(__name__)
+GRAMMAR_POLL_S = 0.005
+"""How long a step with nothing to compute waits for a grammar compiling on its thread."""
 
 
 class Engine:
@@ -38,6 +45,11 @@ class Engine:
     (the worker's metrics). It is timed from the previous timed step's end when sequences decoded on from there
     (their inter-token time: whatever the caller did between the steps, such as the engine loop's commands and
     outputs, counts), else from scheduling. With ``itl_target_ms`` the scheduler sizes prefill by the model.
+
+    A constrained choice (``sampling.structured``) waits in ``awaiting_grammar``, unscheduled, while its grammar
+    compiles on the compile thread (structured.py); then its matcher masks its logits each step and accepts
+    each token. It ends "stop" once the grammar is complete, and "error" (no token) when the compile fails or
+    outlives ``grammar_compile_timeout_s``.
     """
 
     def __init__(self, adapter: Any, model: torch.nn.Module, config: EngineConfig) -> None:
@@ -59,6 +71,15 @@ class Engine:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]  # the logits' width
         self.max_model_len = self.runner.max_model_len
         self.requests: dict[str, list[Sequence]] = {}
+        self.structured = StructuredOutputs(
+            adapter.tokenizer,
+            self.vocab_size,
+            self.eos_token_ids,
+            config.grammar_cache_entries,
+            config.grammar_cache_bytes,
+            config.grammar_compile_timeout_s,
+        )
+        self.awaiting_grammar: list[Sequence] = []
         self._stalled = False  # the last step scheduled nothing and nothing has changed since
         self._tokens_at: float | None = None  # the last timed step's end, when sequences decode on after it
 
@@ -117,6 +138,8 @@ class Engine:
     def has_work(self) -> bool:
         """True when a step may compute something: not all requests wait for embeddings, and the last step
         did not come back empty with nothing changed since (e.g. blocks held by reservations)."""
+        if self.awaiting_grammar:
+            return True  # a compile may finish: the step polls it
         return not self._stalled and any(
             seq.first_blocked_offset(seq.num_computed_tokens, self.embeddings) > seq.num_computed_tokens
             for seq in self._sequences()
@@ -131,29 +154,44 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """Schedule, run the model once, sample; returns the new tokens of the requests that sampled."""
+        failed = self._start_grammars() if self.awaiting_grammar else []
         now = time.perf_counter()
         start = self._tokens_at or now
         self._tokens_at = None
         scheduled = self.scheduler.schedule(spent_s=now - start)
         if not scheduled.chunks:
-            self._stalled = True
-            return []
+            if self.awaiting_grammar:
+                concurrent.futures.wait([s.grammar.compiling for s in self.awaiting_grammar], GRAMMAR_POLL_S)
+            else:
+                self._stalled = True
+            return failed
         run = self.runner.run(scheduled.chunks, self.embeddings)
         seqs = [c.seq for c in run.sampled]
         sampled = []
         if seqs:  # the step's one device-to-host copy: token ids and any logprobs together
             options = [s.sampling for s in seqs]
             generators = [reseed_for_position(s.generator, s.sampling.seed, s.num_tokens) for s in seqs]
-            sampled = self.sampler.sample_to_host(run.logits, options, generators, seqs)
+            logits = run.logits
+            masks = self.structured.fill_bitmask([s.grammar for s in seqs])
+            if masks is not None:
+                logits = apply_bitmask(logits, *masks, self.runner.io)
+            sampled = self.sampler.sample_to_host(logits, options, generators, seqs, raw_logits=run.logits)
         timed = bool(seqs) or self.runner.device.type != "cuda"
         end = time.perf_counter()
         if timed:
             self._time_step(scheduled, end - start)
         self.scheduler.update(scheduled)
-        outputs = []
+        outputs = failed
         for seq, (token, logprobs) in zip(seqs, sampled, strict=True):
+            if seq.grammar is not None and not seq.grammar.accept(token):
+                log.error("request %s: sampled token %d outside its grammar; ended", seq.name, token)
+                self._finish(seq, "error")
+                outputs.append(self._ended(seq, "error"))
+                continue
             seq.append_token(token)
             reason = seq.stop_reason(self.eos_token_ids)
+            if reason is None and seq.grammar is not None and seq.grammar.terminated:
+                reason = "stop"
             if reason is not None:
                 self._finish(seq, reason)
             elif timed:
@@ -171,6 +209,34 @@ class Engine:
                 )
             )
         return outputs
+
+    def _start_grammars(self) -> list[StepOutput]:
+        """Start the matchers whose compile finished; end (``"error"``, no token) the sequences whose compile
+        failed or ran out of time. Their outputs."""
+        ended = []
+        for seq in list(self.awaiting_grammar):
+            error = seq.grammar.start(seq.token_ids[seq.output_start :])  # type: ignore[union-attr]
+            if error is None and not seq.grammar.ready:  # type: ignore[union-attr]
+                continue
+            self.awaiting_grammar.remove(seq)
+            self._stalled = False
+            if error is not None:
+                log.warning("request %s: %s", seq.name, error)
+                self._finish(seq, "error")
+                ended.append(self._ended(seq, "error"))
+        return ended
+
+    def _ended(self, seq: Sequence, reason: str) -> StepOutput:
+        """The output of a choice ended without a new token."""
+        return StepOutput(
+            seq.request_id,
+            [],
+            finished=True,
+            finish_reason=reason,
+            cached_tokens=seq.num_cached_tokens,
+            index=seq.index,
+            request_finished=seq.request_id not in self.requests,
+        )
 
     def _time_step(self, scheduled: SchedulerOutput, seconds: float) -> None:
         shape = StepShape.of(scheduled.chunks)
@@ -214,21 +280,28 @@ class Engine:
             known = self.embeddings.peek(item.mm_hash)
             if known is not None:
                 _check_rows(item, first.request_id, known)
+        constraint = sampling.structured
         for seq in choices:
             seq.positions = first.positions  # read-only: every choice has the same prompt and lengths
             if seq.sampling.seed is not None:
                 seq.generator = torch.Generator(device=self.runner.device).manual_seed(seq.sampling.seed)
+            if constraint is not None:
+                seq.grammar = self.structured.state(constraint)  # ValueError: a constraint known not to compile
         return choices
 
     def _enqueue(self, choices: list[Sequence]) -> None:
         for seq in choices:
             self.embeddings.acquire([m.mm_hash for m in seq.media])
             self.scheduler.add(seq)
+            if seq.grammar is not None:
+                self.awaiting_grammar.append(seq)
         self.requests[choices[0].request_id] = list(choices)
         self._stalled = False
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
+        if seq in self.awaiting_grammar:
+            self.awaiting_grammar.remove(seq)
         self.embeddings.release([m.mm_hash for m in seq.media])
         choices = self.requests[seq.request_id]
         choices.remove(seq)

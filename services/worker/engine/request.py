@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from services.common.grammar import Constraint
 from services.models.media_span import MediaSpan
 
 MAX_LOGPROBS = 20
@@ -27,6 +28,9 @@ class SamplingOptions:
     and ``presence_penalty`` (subtracted per occurrence, and once, for tokens in the output); then temperature,
     top-k, top-p and ``min_p`` (tokens below ``min_p`` x the top token's probability dropped). "Output" counts
     the tokens a previous worker generated (a migrated request's ``generated_tokens``).
+
+    ``structured``: a grammar the output is held to (structured.py masks what it does not allow before the
+    processors; the choice ends "stop" once the grammar is complete).
     """
 
     max_tokens: int = 16
@@ -45,6 +49,7 @@ class SamplingOptions:
     min_tokens: int = 0
     bad_words: tuple[tuple[int, ...], ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()
+    structured: Constraint | None = None
 
     @cached_property
     def processes_logits(self) -> bool:

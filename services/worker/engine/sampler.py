@@ -83,10 +83,12 @@ class Sampler:
         options: list[SamplingOptions],
         generators: list[torch.Generator | None],
         histories: list[TokenHistory] | None = None,
+        raw_logits: torch.Tensor | None = None,
     ) -> list[tuple[int, TokenLogprobs | None]]:
-        """Per row: the sampled token id and, when its request asks, its logprobs (of the raw logits); one
-        device-to-host copy."""
-        packed = pack_logprobs(logits, self.sample(logits, options, generators, histories), options)
+        """Per row: the sampled token id and, when its request asks, its logprobs (of ``raw_logits``, the
+        model's before any grammar mask, when ``logits`` are masked); one device-to-host copy."""
+        tokens = self.sample(logits, options, generators, histories)
+        packed = pack_logprobs(logits if raw_logits is None else raw_logits, tokens, options)
         return unpack_logprobs(self.io.to_host(packed), options)
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 from collections.abc import Container
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ from services.common.block_hash import extend_block_hashes
 from services.common.kv_blocks import choice_blocks, shared_prompt_blocks
 from services.models.media_span import MediaSpan
 from services.worker.engine.request import EngineRequest, SamplingOptions
+
+if TYPE_CHECKING:
+    from services.worker.engine.structured import GrammarState
 
 
 class SequenceStatus(Enum):
@@ -59,6 +63,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.positions: list[list[int]] = []  # M-RoPE rows [3][max tokens], set by the model runner
         self.generator: torch.Generator | None = None
+        self.grammar: GrammarState | None = None  # a constrained choice's matcher (structured.py)
         self._hash_blocks = hash_blocks
         self.block_hashes: list[bytes] = []
         self.update_block_hashes()
@@ -140,8 +145,10 @@ class Sequence:
             self.update_block_hashes()
 
     def first_blocked_offset(self, num_computed: int, has_embedding: Container[str]) -> int:
-        """How far computation from ``num_computed`` may go: up to the first media item still needed
-        whose embedding is not in ``has_embedding``, else to the end."""
+        """How far computation from ``num_computed`` may go: nowhere while its grammar compiles, else up to the
+        first media item still needed whose embedding is not in ``has_embedding``, else to the end."""
+        if self.grammar is not None and not self.grammar.ready:
+            return num_computed
         for item in self.media:
             if item.offset + item.num_tokens > num_computed and item.mm_hash not in has_embedding:
                 return max(item.offset, num_computed)

@@ -1,0 +1,124 @@
+"""Structured outputs in the engine: a grammar matcher per constrained sequence, its compile waited for off the
+engine thread, and each step's token bitmask applied to the logits on their device.
+
+Invariants: a constrained sequence is not scheduled until its grammar is compiled (``GrammarState.ready``);
+its matcher has then accepted every token it generated, those of a previous worker included (a migrated
+request's ``generated_tokens``), so the engine's tokens and the matcher never disagree. A step fills one
+bitmask on the host for the constrained rows alone and uploads it once with their row indices; the device
+unpacks it and sets disallowed logits to -inf in a copy (the raw logits stay as they were: logprobs read
+them). Rows without a constraint are not touched, and a step without any costs nothing here.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from typing import Any
+
+import torch
+
+from services.common.grammar import Constraint
+from services.common.grammar_cache import GrammarCache, tokenizer_info
+from services.worker.engine.host_device import HostDevice
+
+log = logging.getLogger(__name__)
+BITS = 32  # xgrammar's bitmask packs 32 token ids per int32
+
+
+class GrammarState:
+    """One sequence's grammar: its compile (a future shared by the request's choices), then its matcher."""
+
+    def __init__(self, compiling: concurrent.futures.Future, deadline: float, timeout_s: float) -> None:
+        self.compiling = compiling
+        self.deadline = deadline  # perf_counter time after which a compile still running fails the sequence
+        self.timeout_s = timeout_s
+        self.matcher: Any = None
+
+    @property
+    def ready(self) -> bool:
+        return self.matcher is not None
+
+    def start(self, generated: list[int]) -> str | None:
+        """Once the compile is done: make the matcher and feed it ``generated``; an error message when the
+        compile failed, ran past its deadline, or a generated token does not fit the grammar; None when it
+        started (or is still compiling within its deadline: ``ready`` tells)."""
+        if not self.compiling.done():
+            if time.perf_counter() < self.deadline:
+                return None
+            return f"the constraint took longer than {self.timeout_s:g} s to compile"
+        error = self.compiling.exception()
+        if error is not None:
+            return str(error)
+        import xgrammar as xgr
+
+        matcher = xgr.GrammarMatcher(self.compiling.result())
+        for i, token in enumerate(generated):
+            if not matcher.accept_token(token):
+                return f"token {i} generated before ({token}) does not fit the constraint"
+        self.matcher = matcher
+        return None
+
+    def accept(self, token: int) -> bool:
+        return bool(self.matcher.accept_token(token))
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and accepted a stop token: nothing more may follow."""
+        return bool(self.matcher.is_terminated())
+
+
+class StructuredOutputs:
+    """The engine's grammars: compiled (``GrammarCache``, its tokenizer view built on the compile thread) and
+    waited for within ``timeout_s`` of admission."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        max_entries: int,
+        max_bytes: int,
+        timeout_s: float,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.timeout_s = timeout_s
+        ids = sorted(eos_token_ids)
+        self.cache = GrammarCache(lambda: tokenizer_info(tokenizer, vocab_size, ids), max_entries, max_bytes)
+
+    def state(self, constraint: Constraint) -> GrammarState:
+        """A new sequence's grammar state; ValueError at once when the constraint is already known bad."""
+        compiling = self.cache.compile(constraint)
+        if compiling.done() and compiling.exception() is not None:
+            raise ValueError(str(compiling.exception()))
+        return GrammarState(compiling, time.perf_counter() + self.timeout_s, self.timeout_s)
+
+    def fill_bitmask(self, states: list[GrammarState | None]) -> tuple[list[int], torch.Tensor] | None:
+        """The rows of a step's sampled sequences that are constrained, and their bitmask ``[rows, words]``
+        (int32, on the host), filled by each matcher; None when no row is constrained."""
+        rows = [i for i, state in enumerate(states) if state is not None]
+        if not rows:
+            return None
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        for row, i in enumerate(rows):
+            states[i].matcher.fill_next_token_bitmask(bitmask, row)  # type: ignore[union-attr]
+        return rows, bitmask
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor, io: HostDevice) -> torch.Tensor:
+    """A float32 copy of ``logits [N, vocab]`` with, in each of ``rows``, the tokens whose bit is 0 in its row of
+    ``bitmask [len(rows), words]`` set to -inf (bit ``j % 32`` of word ``j // 32`` is token ``j``). Two uploads
+    (the bitmask, the row indices); no host read."""
+    vocab = logits.shape[-1]
+    masks = io.to_device(bitmask, torch.int32)
+    index = io.upload(rows, torch.int64)
+    shifts = torch.arange(BITS, dtype=torch.int32, device=masks.device)
+    allowed = ((masks.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
+    out = logits.to(torch.float32, copy=True)
+    scores = out.index_select(0, index).masked_fill_(~allowed, float("-inf"))
+    return out.index_copy_(0, index, scores)

@@ -1,0 +1,234 @@
+"""Structured outputs in the engine equal transformers' `generate` run with xgrammar's own logits processor
+(`xgrammar.contrib.hf.LogitsProcessor`) for the same constraint, on the tiny model: JSON schemas (enums,
+maxLength, maxItems, nested objects, a bounded integer), any JSON object, regexes, choices and an EBNF grammar,
+greedy and seeded, mixed in one batch with plain and image requests and a request of two choices; outputs that
+ended "stop" parse and validate against their constraint, one that cannot finish ends "length"; logprobs stay
+the raw distribution's; a continuation (a migrated request) rebuilds its matcher from the tokens generated
+before; a constraint that does not compile ends its request "error" holding nothing, and a second request
+with it is refused at admission."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import xgrammar as xgr
+from transformers import LogitsProcessorList
+from xgrammar.contrib.hf import LogitsProcessor as XgrammarProcessor
+
+from services.common.grammar import Constraint, grammar_of
+from services.common.grammar_cache import tokenizer_info
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine.request import EngineRequest, SamplingOptions
+from tests.engine_support import Prompt, Result, build_prompt, image
+from tests.oracle import _generate
+from tests.oracle_processors import processors
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MAX_TOKENS = 48
+COLOR = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]}
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "enum": COLOR,
+    "string": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["name", "n"],
+    },
+    "array": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+    "nested": {
+        "type": "object",
+        "properties": {
+            "a": {
+                "type": "object",
+                "properties": {"b": {"enum": [1, 2, 3]}, "c": {"type": "string", "maxLength": 4}},
+                "required": ["b", "c"],
+            }
+        },
+        "required": ["a"],
+    },
+}
+CHOICES = ["yes", "no", "maybe"]
+CONSTRAINTS: dict[str, Constraint] = {
+    **{name: Constraint("json_schema", json.dumps(schema)) for name, schema in SCHEMAS.items()},
+    "spaced": Constraint("json_schema", json.dumps(COLOR), any_whitespace=True),
+    "object": Constraint("json_object"),
+    "regex": Constraint("regex", r"[a-z]{2,6}-\d{3}"),
+    "choice": Constraint("choice", json.dumps(CHOICES)),
+    "grammar": Constraint("grammar", 'root ::= "(" [0-9] [0-9]? ("+" [0-9] [0-9]?)? ")"'),
+}
+
+
+def _engine(loaded: tuple[Any, Any]) -> Engine:
+    adapter, model = loaded
+    return Engine(adapter, model, EngineConfig(kv_cache_bytes=8 << 20, max_num_batched_tokens=96, max_num_seqs=32))
+
+
+def _run(engine: Engine, requests: list[tuple[Prompt, EngineRequest]]) -> dict[str, Result]:
+    """All ``requests`` queued at once, run to the end; results by request id ("<id>/<i>" for a later choice)."""
+    for prompt, request in requests:
+        for mm_hash, tensor in prompt.embeddings.items():
+            engine.provide_embedding(mm_hash, tensor)
+        engine.add_request(request)
+    results: dict[str, Result] = {}
+    for _ in range(10_000):
+        if not engine.has_work():
+            break
+        for out in engine.step():
+            key = out.request_id if out.index == 0 else f"{out.request_id}/{out.index}"
+            result = results.setdefault(key, Result())
+            result.tokens.extend(out.new_token_ids)
+            if out.finished:
+                result.finish_reason = out.finish_reason
+    assert not engine.requests and engine.scheduler.ledger.reserved_blocks == 0
+    return results
+
+
+@pytest.fixture(scope="module")
+def prompts(loaded: tuple[Any, Any]) -> list[Prompt]:
+    adapter, model = loaded
+    return [
+        build_prompt(adapter, model, ["give me the answer as json"]),
+        build_prompt(adapter, model, ["describe", image(64, 48, 41), "in a few words"]),
+    ]
+
+
+@pytest.fixture(scope="module")
+def compiler(loaded: tuple[Any, Any]) -> Any:
+    adapter, model = loaded
+    vocab = model.get_output_embeddings().weight.shape[0]
+    return xgr.GrammarCompiler(tokenizer_info(adapter.tokenizer, vocab, adapter.eos_token_ids), cache_enabled=False)
+
+
+def _oracle(
+    model_dir: Path, prompt: Prompt, opts: SamplingOptions, compiler: Any, eos: list[int], constrained: bool = True
+) -> list[int]:
+    """``generate`` greedy over xgrammar's processor (its mask first, as the engine) then ``opts``' processors."""
+    masks = [XgrammarProcessor(compiler.compile_grammar(grammar_of(opts.structured)))] if constrained else []
+    stops = [] if opts.ignore_eos else list(eos)
+    kwargs = {"logits_processor": LogitsProcessorList([*masks, *processors(opts, eos)]), "eos_token_id": stops}
+    out, prompt_len = _generate(model_dir, prompt.messages, prompt.images, opts.max_tokens, **kwargs)
+    return out[0, prompt_len:].tolist()
+
+
+def _check_valid(name: str, constraint: Constraint, text: str) -> None:
+    if constraint.kind == "json_schema":
+        jsonschema.validate(json.loads(text), json.loads(constraint.text))
+        if not constraint.any_whitespace:
+            assert text == json.dumps(json.loads(text), ensure_ascii=False), f"{name}: not compact: {text!r}"
+    elif constraint.kind == "json_object":
+        assert isinstance(json.loads(text), dict)
+    elif constraint.kind == "regex":
+        assert re.fullmatch(constraint.text, text), text
+    elif constraint.kind == "choice":
+        assert text in CHOICES
+    else:
+        assert re.fullmatch(r"\(\d\d?(\+\d\d?)?\)", text), text
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_constrained_outputs_equal_generate_with_xgrammar_and_validate(
+    loaded: tuple[Any, Any], tiny_model_dir: Path, prompts: list[Prompt], compiler: Any, seeded: bool
+) -> None:
+    adapter, _ = loaded
+    eos = list(adapter.eos_token_ids)
+    base = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.9, top_k=40, seed=3) if seeded else None
+    base = base or SamplingOptions(max_tokens=MAX_TOKENS)
+    requests, expected = [], {}
+    for i, prompt in enumerate(prompts):
+        plain = prompt.request(f"plain{i}", base)
+        requests.append((prompt, plain))
+        expected[plain.request_id] = _oracle(tiny_model_dir, prompt, base, compiler, eos, constrained=False)
+        for name, constraint in CONSTRAINTS.items():
+            opts = dataclasses.replace(base, structured=constraint)
+            requests.append((prompt, prompt.request(f"{name}{i}", opts)))
+            expected[f"{name}{i}"] = _oracle(tiny_model_dir, prompt, opts, compiler, eos)
+    two = dataclasses.replace(base, structured=CONSTRAINTS["nested"], n=2)
+    requests.append((prompts[0], prompts[0].request("two", two)))
+    expected["two"] = _oracle(tiny_model_dir, prompts[0], two, compiler, eos)
+    second = dataclasses.replace(two, seed=None if two.seed is None else two.seed + 1)
+    expected["two/1"] = _oracle(tiny_model_dir, prompts[0], second, compiler, eos)
+    engine = _engine(loaded)
+    results = _run(engine, requests)
+    assert {rid: results[rid].tokens for rid in expected} == expected
+    stopped = 0
+    for i in range(len(prompts)):
+        for name, constraint in CONSTRAINTS.items():
+            result = results[f"{name}{i}"]
+            if result.finish_reason == "stop":
+                stopped += 1
+                assert result.tokens[-1] in eos
+                _check_valid(name, constraint, adapter.tokenizer.decode(result.tokens[:-1]))
+            else:
+                assert result.finish_reason == "length" and len(result.tokens) == MAX_TOKENS
+    assert stopped >= len(CONSTRAINTS)  # the bounded ones finish on this model
+    assert engine.structured.cache.compiles == len(CONSTRAINTS)  # one compile per constraint, shared
+
+
+def test_a_constraint_that_cannot_finish_ends_length_and_logprobs_stay_raw(
+    loaded: tuple[Any, Any], prompts: list[Prompt]
+) -> None:
+    prompt = prompts[0]
+    long = SamplingOptions(max_tokens=5, logprobs=3, structured=Constraint("regex", "a{40}"))
+    plain = SamplingOptions(max_tokens=1, logprobs=3)
+    engine = _engine(loaded)
+    results: dict[str, Any] = {}
+    engine.add_request(prompt.request("long", long))
+    engine.add_request(prompt.request("plain", plain))
+    for _ in range(100):
+        if not engine.has_work():
+            break
+        for out in engine.step():
+            results.setdefault(out.request_id, []).append(out)
+    tokens = [t for out in results["long"] for t in out.new_token_ids]
+    assert results["long"][-1].finish_reason == "length" and len(tokens) == 5
+    assert set(loaded[0].tokenizer.decode(tokens)) == {"a"}
+    raw, masked = results["plain"][0].logprobs[0], results["long"][0].logprobs[0]
+    assert masked.top_ids == raw.top_ids and masked.top_logprobs == pytest.approx(raw.top_logprobs, abs=1e-5)
+    assert masked.logprob < -0.01  # the raw distribution's: under the mask alone "a" would have probability 1
+
+
+def test_a_continuation_rebuilds_its_matcher_from_the_tokens_generated_before(
+    loaded: tuple[Any, Any], prompts: list[Prompt]
+) -> None:
+    prompt = prompts[1]
+    opts = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.8, seed=9, structured=CONSTRAINTS["string"])
+    whole = _run(_engine(loaded), [(prompt, prompt.request("whole", opts))])["whole"]
+    assert len(whole.tokens) > 8
+    for cut in (1, 6):
+        continued = EngineRequest(
+            f"cont{cut}",
+            [*prompt.token_ids, *whole.tokens[:cut]],
+            list(prompt.media),
+            dataclasses.replace(opts, max_tokens=opts.max_tokens - cut),
+            generated_tokens=cut,
+        )
+        rest = _run(_engine(loaded), [(prompt, continued)])[f"cont{cut}"]
+        assert whole.tokens[:cut] + rest.tokens == whole.tokens and rest.finish_reason == whole.finish_reason
+    misfit = [*prompt.token_ids, *whole.tokens[1:3]]  # '"n' without the '{' before it: no JSON the schema allows
+    wrong = EngineRequest("wrong", misfit, list(prompt.media), opts, generated_tokens=2)
+    assert _run(_engine(loaded), [(prompt, wrong)])["wrong"] == Result([], "error")
+
+
+def test_a_constraint_that_does_not_compile_ends_error_and_is_then_refused(
+    loaded: tuple[Any, Any], prompts: list[Prompt]
+) -> None:
+    prompt = prompts[0]
+    engine = _engine(loaded)
+    bad = SamplingOptions(max_tokens=8, n=2, structured=Constraint("regex", "(?=a)b"))
+    good = SamplingOptions(max_tokens=4)
+    results = _run(engine, [(prompt, prompt.request("bad", bad)), (prompt, prompt.request("good", good))])
+    assert results["bad"] == Result([], "error") and results["bad/1"] == Result([], "error")
+    assert len(results["good"].tokens) == 4
+    with pytest.raises(ValueError, match="Lookahead is not supported"):
+        engine.admit(prompt.request("again", bad))
+    assert not engine.requests and engine.scheduler.ledger.reserved_blocks == 0
