@@ -207,46 +207,85 @@ def format_enforced(fmt: str) -> bool:
     return grammar({"type": "string", "format": fmt}) != grammar({"type": "string", "format": "x-epd-unknown"})
 
 
-_QUANTIFIER = re.compile(r"\*|\+|\{\d*,\}")
+_QUANTIFIER = re.compile(r"\*|\+|\?|\{(\d*)(,(\d*))?\}")
+
+
+def _repeats(match: re.Match) -> tuple[int, bool, bool]:
+    """(the fewest times, repeats more than once, without bound) for a quantifier ``_QUANTIFIER`` matched."""
+    text = match[0]
+    if text in ("*", "+"):
+        return (0 if text == "*" else 1), True, True
+    if text == "?":
+        return 0, False, False
+    low = int(match[1] or 0)
+    if match[2] is None:  # {n}
+        return low, low > 1, False
+    if not match[3]:  # {n,}
+        return low, True, True
+    return low, int(match[3]) > 1, False
+
+
+@dataclass
+class _Group:
+    """What the scanner knows of an open group: it holds an unbounded repetition; its current branch can match
+    nothing so far; some earlier branch can."""
+
+    unbounded: bool = False
+    branch_empty: bool = True
+    empty: bool = False
 
 
 def check_regex(pattern: str, max_depth: int, field: str = "regex") -> None:
-    """ConstraintError when ``pattern`` nests groups deeper than ``max_depth`` or repeats, without bound
-    (``*``, ``+``, ``{n,}``), a group that itself holds an unbounded repetition (``(a+b)*``: the matcher's
-    ambiguity grows with each token). Escapes and character classes are skipped; xgrammar checks the rest."""
-    groups: list[bool] = []  # per open group: whether it holds an unbounded repetition
-    last_group_unbounded = False  # the group just closed held one (a quantifier now would nest them)
+    """ConstraintError when ``pattern`` nests groups deeper than ``max_depth``, stacks two repetitions
+    (``a*{2,}``, ``a**``), or repeats a group that holds an unbounded repetition or can match nothing
+    (``(a+b)*``, ``(a*){50}``, ``(a?)+``): xgrammar's matcher then carries a state that grows with every token
+    and steps stall (``(x*x*)*y`` for minutes, ``(a?)+b`` seconds per step after some hundred tokens,
+    ``a*{2,}`` never ends). A lazy ``?`` after a repetition and an optional group (``(a*)?``) are fine.
+    Escapes and character classes are single atoms; xgrammar checks the rest."""
+    groups = [_Group()]  # the whole pattern is the outermost group
     i, n = 0, len(pattern)
     while i < n:
-        ch = pattern[i]
-        closed = False
-        if ch == "\\":
+        ch, closed = pattern[i], None
+        if ch == "(":
+            groups.append(_Group())
+            if len(groups) > max_depth + 1:
+                raise ConstraintError(f"{field} nests groups deeper than this server's limit of {max_depth}")
+            i += 3 if pattern.startswith("(?:", i) else 1
+            continue
+        if ch == "|":
+            groups[-1].empty |= groups[-1].branch_empty
+            groups[-1].branch_empty = True
+            i += 1
+            continue
+        if ch == ")" and len(groups) > 1:
+            closed = groups.pop()
+            closed.empty |= closed.branch_empty
+            i += 1
+        elif ch == "\\":
             i += 2
         elif ch == "[":
             i = _class_end(pattern, i)
-        elif ch == "(":
-            groups.append(False)
-            if len(groups) > max_depth:
-                raise ConstraintError(f"{field} nests groups deeper than this server's limit of {max_depth}")
-            i += 1
-        elif ch == ")":
-            inner = groups.pop() if groups else False
-            last_group_unbounded, closed = inner, True
-            i += 1
         else:
             i += 1
+        zero_width = ch in "^$"
         match = _QUANTIFIER.match(pattern, i)
+        fewest, repeats, unbounded = _repeats(match) if match else (1, False, False)
+        hazardous = closed is not None and (closed.unbounded or closed.empty)
         if match is not None:
-            if closed and last_group_unbounded:
+            if hazardous and repeats:
                 raise ConstraintError(
-                    f"{field} repeats without bound a group that repeats without bound inside (as in (a+b)*): "
-                    "its matching cost grows with every token; write the repetition once"
+                    f"{field} repeats a group that repeats without bound or can match nothing (as in (a+b)* or "
+                    "(a?)+): its matching cost grows with every token; write the repetition once"
                 )
-            if groups:
-                groups[-1] = True
             i = match.end()
-        elif closed and last_group_unbounded and groups:
-            groups[-1] = True  # the closed group's repetition is inside the enclosing one too
+            if i < n and pattern[i] == "?" and match[0] != "?":
+                i += 1  # lazy: the same language
+            if _QUANTIFIER.match(pattern, i):
+                raise ConstraintError(f"{field} stacks two repetitions at {i} (as in a*{{2,}}); write one")
+        group = groups[-1]
+        group.unbounded |= unbounded or bool(closed and closed.unbounded)
+        if not (zero_width or fewest == 0 or (closed is not None and closed.empty)):
+            group.branch_empty = False
 
 
 def _class_end(pattern: str, start: int) -> int:

@@ -6,7 +6,7 @@ future), and one the library refused is not compiled again while remembered (as 
 kept; the refusal is answered at once); a cached grammar is the one its key names; after every insertion the
 cache holds at most ``max_entries`` grammars and ``max_bytes`` (xgrammar's ``memory_size_bytes``), least
 recently used evicted first (a grammar larger than ``max_bytes`` is handed out, not kept). Nothing here
-waits for a compile: callers bound the wait themselves (``compile_within``), and a compile that outlives
+waits for a compile: callers bound the wait themselves, and a compile that outlives
 them still finishes and is kept, so the next request for it is served from the cache.
 """
 
@@ -82,16 +82,6 @@ class GrammarCache:
                 self.compiles += 1
                 future = self._compiling[key] = self._pool.submit(self._compile, constraint)
             return future
-
-    def compile_within(self, constraint: Constraint, timeout_s: float) -> Any:
-        """The compiled grammar, waiting at most ``timeout_s``; ConstraintError when it takes longer or the
-        library refuses it."""
-        try:
-            return self.compile(constraint).result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise ConstraintError(
-                f"{constraint.kind} takes longer than this server's {timeout_s:g} s to compile; simplify it"
-            ) from None
 
     def _compile(self, constraint: Constraint) -> Any:
         key = constraint.key

@@ -57,6 +57,21 @@ class RouterConfig(ServiceConfig):
     )
     api_keys_file: str = dataclasses.field(default="", metadata={"help": "'<tenant> <sha256 of key>' lines"})
     tenant_limits_file: str = dataclasses.field(default="", metadata={"help": "per-tenant limits"})
+    structured_any_whitespace: bool = dataclasses.field(
+        default=False, metadata={"help": "JSON constraints allow whitespace between tokens (default: compact)"}
+    )
+    structured_max_bytes: int = dataclasses.field(
+        default=128 << 10, metadata={"help": "largest structured-output constraint (schema, regex, grammar), bytes"}
+    )
+    structured_max_depth: int = dataclasses.field(
+        default=64, metadata={"help": "deepest nesting of a constraint (a schema's JSON containers, a regex's groups)"}
+    )
+    structured_compile_timeout_s: float = dataclasses.field(
+        default=5.0, metadata={"help": "longest a constraint may take to compile before it is refused"}
+    )
+    structured_cache_entries: int = dataclasses.field(
+        default=64, metadata={"help": "compiled constraints the router keeps (its check of a repeated one is free)"}
+    )
     share_embeddings_across_tenants: bool = dataclasses.field(
         default=False, metadata={"help": "one embedding cache entry per image for every tenant"}
     )
@@ -87,11 +102,16 @@ class RouterConfig(ServiceConfig):
             "max_projected_tokens",
             "max_n",
             "retry_after_ms",
+            "structured_max_bytes",
+            "structured_max_depth",
+            "structured_compile_timeout_s",
         ):
             require_positive(name, getattr(self, name))
         if not 0 <= self.http_port < 65536:
             raise ConfigError(f"{env_name('http_port')}: {self.http_port} is not a port (0 turns HTTP off)")
         self._validate_security()
+        if self.structured_cache_entries < 0:
+            raise ConfigError(f"{env_name('structured_cache_entries')} must not be negative")
         if self.migration_limit < 0:
             raise ConfigError(f"{env_name('migration_limit')} must not be negative, got {self.migration_limit}")
         if self.prefix_affinity_weight < 0:

@@ -203,7 +203,7 @@ def parse(model: type[M], raw: bytes) -> M:
     except ValidationError as exc:
         try:
             sent = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # a body nested past Python's recursion limit: pydantic said so
             sent = None
         raise from_validation(exc, sent) from exc
 

@@ -193,7 +193,10 @@ def from_validation(exc: ValidationError, body: Any = None) -> HttpError:
     members each report one) the deepest place wins; alternatives at one place are said together."""
     errors = exc.errors(include_url=False)
     if errors[0]["type"] == "json_invalid":
-        return HttpError(400, f"the body is not valid JSON: {errors[0]['ctx']['error']}", "invalid_argument")
+        said = errors[0]["ctx"]["error"]
+        if said.startswith("recursion limit exceeded"):  # valid JSON, past the parser's nesting limit
+            return HttpError(400, f"the body is nested too deeply to read ({said})", "invalid_argument")
+        return HttpError(400, f"the body is not valid JSON: {said}", "invalid_argument")
     placed = [(*_walk(tuple(e["loc"]), body, e["type"] == "missing"), e) for e in errors]
     deepest = max(len(path) for path, _, _ in placed)
     path, value, first = next(item for item in placed if len(item[0]) == deepest)

@@ -37,7 +37,6 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "tool_choice": (None, "none", "auto"),  # "auto" without tools: none
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
@@ -55,12 +54,8 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "logits_processors": (None, []),
     "return_tokens_as_token_ids": (None, False),
     "return_token_ids": (None, False),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
     "guided_whitespace_pattern": (None,),
-    "structured_outputs": (None,),
+    "guided_decoding_backend": (None,),
     "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
     "documents": (None, []),
@@ -184,6 +179,109 @@ def refusal(name: str, value: Any, neutral: tuple[Any, ...]) -> FieldError | Non
     return FieldError(name, f"{name} is not supported by this server yet; leave it out{hint}")
 
 
+Schema = dict[str, Any] | bool
+
+
+class JsonSchemaFormat(ApiModel):
+    """`response_format.json_schema`: the schema (`strict` accepted either way: every schema is enforced)."""
+
+    model_config = ConfigDict(allow_inf_nan=False, populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: Schema = Field(alias="schema", description="the JSON Schema the answer follows")
+    strict: bool | None = None
+
+
+class TextFormat(ApiModel):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(ApiModel):
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(ApiModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")]
+
+
+class StructuredOutputs(ApiModel):
+    """vLLM's `structured_outputs`: one of `json`, `regex`, `choice`, `grammar`, `json_object`."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
+
+    json_: Schema | str | None = Field(None, alias="json", description="a JSON Schema (an object or its text)")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(None, description="an EBNF grammar (xgrammar's; start rule `root`)")
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = Field(None, description="true: compact JSON; default the server's")
+    disable_fallback: bool | None = None
+    disable_additional_properties: bool | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> StructuredOutputs:
+        for name in ("whitespace_pattern", "structural_tag"):
+            if (self.model_extra or {}).get(name) is not None:
+                raise FieldError(name, f"{name} is not supported by this server yet")
+        return self
+
+
+def schema_text(field: str, schema: Any) -> str:
+    """A schema sent as an object, as JSON text (one sent as text is kept as sent); FieldError for one nested
+    too deep to write out (the router's depth limit refuses far shallower ones)."""
+    if isinstance(schema, str):
+        return schema
+    try:
+        return json.dumps(schema, ensure_ascii=False)
+    except RecursionError:
+        raise FieldError(field, f"{field} is nested too deeply") from None
+
+
+def _constraints(body: GenerationFields) -> list[tuple[str, str, Any]]:
+    """Every constraint the body sets: (HTTP field, SamplingParams field, value)."""
+    out: list[tuple[str, str, Any]] = []
+    fmt = body.response_format
+    if isinstance(fmt, JsonObjectFormat):
+        out.append(("response_format", "json_object", True))
+    elif isinstance(fmt, JsonSchemaResponseFormat):
+        field = "response_format.json_schema.schema"
+        out.append((field, "json_schema", schema_text(field, fmt.json_schema.schema_)))
+    so = body.structured_outputs
+    if so is not None:
+        if so.json_ is not None:
+            out.append(("structured_outputs.json", "json_schema", schema_text("structured_outputs.json", so.json_)))
+        for name in ("regex", "choice", "grammar"):
+            if getattr(so, name) is not None:
+                out.append((f"structured_outputs.{name}", name, getattr(so, name)))
+        if so.json_object:
+            out.append(("structured_outputs.json_object", "json_object", True))
+    extra = body.model_extra or {}
+    if extra.get("guided_json") is not None:
+        out.append(("guided_json", "json_schema", schema_text("guided_json", extra["guided_json"])))
+    for name in ("regex", "choice", "grammar"):
+        if extra.get(f"guided_{name}") is not None:
+            out.append((f"guided_{name}", name, extra[f"guided_{name}"]))
+    return out
+
+
+def _set_constraint(sampling: common_pb2.SamplingParams, kind: str, value: Any, field: str) -> None:
+    if kind == "json_object":
+        sampling.json_object = True
+    elif kind == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise FieldError(field, f"{field} must be an array of strings")
+        sampling.choice.choices.extend(value)
+    else:
+        if not isinstance(value, str):
+            raise FieldError(field, f"{field} must be a string")
+        setattr(sampling, kind, value)
+
+
 class GenerationFields(ApiModel):
     """What chat and text completions share: sampling, streaming, and epd's own fields."""
 
@@ -214,6 +312,9 @@ class GenerationFields(ApiModel):
     stop_token_ids: list[Annotated[int, Field(ge=0, le=U32)]] | None = Field(None, description="vLLM's")
     bad_words: list[str] | None = Field(None, description="words never generated (vLLM)")
     logit_bias: dict[str, Float32] | None = Field(None, description="token id (a string) -> bias in [-100, 100]")
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs (and its older guided_* fields)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -239,7 +340,15 @@ class GenerationFields(ApiModel):
             raise FieldError("best_of", f"best_of other than n ({self.choices}) is not supported by this server yet")
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "stream_options is only allowed with stream=true")
+        constraints = _constraints(self)
+        if len(constraints) > 1:
+            names = " and ".join(field for field, _, _ in constraints)
+            raise FieldError(constraints[1][0], f"one structured-output constraint per request, got {names}")
         return self
+
+    def structured_field(self) -> dict[str, str]:
+        """The SamplingParams field of the body's constraint -> the HTTP field that set it (none: empty)."""
+        return {kind: field for field, kind, _ in _constraints(self)}
 
     def base_sampling(self, max_tokens: int) -> common_pb2.SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -262,6 +371,11 @@ class GenerationFields(ApiModel):
         )
         if self.seed is not None:
             sampling.seed = self.seed
+        for field, kind, value in _constraints(self):
+            _set_constraint(sampling, kind, value, field)
+        so = self.structured_outputs
+        if so is not None and so.disable_any_whitespace is not None:
+            sampling.any_whitespace = not so.disable_any_whitespace
         return sampling
 
     @property
@@ -297,7 +411,7 @@ class ChatCompletionRequest(GenerationFields):
     def field_names(self) -> dict[str, str]:
         """`SamplingParams` field -> the HTTP field it came from (where the names differ)."""
         max_tokens = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
-        return {"max_tokens": max_tokens, "logprobs": "top_logprobs"}
+        return {"max_tokens": max_tokens, "logprobs": "top_logprobs", **self.structured_field()}
 
 
 class CompletionRequest(GenerationFields):
@@ -324,7 +438,7 @@ class CompletionRequest(GenerationFields):
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
     def field_names(self) -> dict[str, str]:
-        return {"max_tokens": "max_tokens", "logprobs": "logprobs"}
+        return {"max_tokens": "max_tokens", "logprobs": "logprobs", **self.structured_field()}
 
 
 def _content(content: str | list[TextPart | ImagePart | VideoPart] | None) -> list[generation_pb2.ContentPart]:

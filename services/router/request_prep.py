@@ -1,7 +1,8 @@
 """Everything the router does to a request before placing it: limits, media, prompt, token counts.
 
 CPU-only and bounded: header probes, tokenization and hashing run in a thread so the event loop
-keeps serving; URL media is fetched first (async) through the safe fetcher when enabled.
+keeps serving; URL media is fetched first (async) through the safe fetcher when enabled; a structured-output
+constraint is checked, then compiled on its own thread within a time bound (structured.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from services.router.fetch import FetchError, FetchPolicy, fetch_media
 from services.router.intake import IntakeLimits, parse_messages
 from services.router.metrics import RouterMetrics
 from services.router.processor_params import check_processor_params
+from services.router.structured import StructuredCheck
 from services.router.text_prompt import account_prompt
 
 MAX_LOGPROBS = 20
@@ -105,6 +107,7 @@ class RequestPrep:
         self._config = config
         self._metrics = metrics
         self._policy = fetch_policy(config) if config.fetch_enabled else None
+        self.structured = StructuredCheck(info, config)
         self._limits = IntakeLimits(
             config.max_images_per_prompt,
             config.max_item_bytes,
@@ -120,6 +123,7 @@ class RequestPrep:
     def _prepare_sync(self, request: generation_pb2.GenerateRequest) -> Prepared:
         sampling = validate_sampling(request.sampling, self._config)
         check_processor_params(sampling, self._info.adapter.tokenizer, self._info.adapter.vocab_size)
+        self.structured.resolve(sampling)
         if request.prompt:
             if request.messages:
                 raise invalid("a request has messages or a prompt, not both")
@@ -154,8 +158,11 @@ class RequestPrep:
         if _is_small_text(request):
             # well under a millisecond of tokenizing: a thread hop (and its GIL handoffs while the loop
             # streams tokens) would cost more, and refusals must come back fast
-            return self._prepare_sync(request)
-        return await asyncio.to_thread(self._prepare_sync, request)
+            prepared = self._prepare_sync(request)
+        else:
+            prepared = await asyncio.to_thread(self._prepare_sync, request)
+        await self.structured.compile(prepared.sampling)  # on the compile thread, within its time bound
+        return prepared
 
     async def _fetch_urls(self, request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateRequest:
         """A copy of `request` with every non-data: media URL replaced by its fetched bytes."""

@@ -1,14 +1,17 @@
 """The HTTP API's surface against a real cluster (router, encoder, worker, Redis): its served OpenAPI document
 fuzzed by schemathesis (random and boundary cases) without a 5xx; bounds, `null`, NaN and refused fields
 answered 400 in the API's own field names and counted; `/v1/completions`, `/tokenize`, `/detokenize`,
-`/version`, and 405's `Allow`.
+`/version`, and 405's `Allow`; structured outputs (`response_format`, vLLM's `structured_outputs` and
+`guided_*`) through the official client, and hostile constraints refused before any worker reserves.
 
 The cluster caps max_tokens at 16 (default 4), so every generated request the fuzzer sends is short.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +20,7 @@ from typing import Any
 import grpc
 import httpx
 import openai
+import pydantic
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -349,3 +353,122 @@ def test_grpc_takes_the_same_raw_prompt(surface: Surface, tokenizer: Any) -> Non
         with pytest.raises(grpc.RpcError) as info:
             client.generate(both, timeout_s=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not both" in info.value.details()
+
+
+class Answer(pydantic.BaseModel):
+    ok: bool
+
+
+def _chat(client: openai.OpenAI, surface: Surface, **fields: Any) -> Any:
+    return client.chat.completions.create(model=surface.model, messages=MESSAGES, max_tokens=CAP, **fields)
+
+
+def test_structured_outputs_follow_their_constraint(surface: Surface) -> None:
+    """The official client parses `response_format` json_schema answers into its typed objects, streamed and
+    not; json_object, vLLM's `structured_outputs` and `guided_*` fields constrain the text; n=2 with a seed and
+    a stop string inside the constrained text work with it."""
+    client = openai.OpenAI(base_url=f"{surface.url}/v1", api_key="unused", max_retries=0)
+    whole = client.chat.completions.parse(
+        model=surface.model, messages=MESSAGES, response_format=Answer, temperature=0, max_tokens=CAP
+    )
+    assert whole.choices[0].finish_reason == "stop" and isinstance(whole.choices[0].message.parsed, Answer)
+    assert whole.choices[0].message.content == json.dumps(whole.choices[0].message.parsed.model_dump())
+    with client.chat.completions.stream(
+        model=surface.model, messages=MESSAGES, response_format=Answer, temperature=0, max_tokens=CAP
+    ) as stream:
+        streamed = stream.get_final_completion()
+    assert streamed.choices[0].message.parsed == whole.choices[0].message.parsed
+    sampled = _chat(client, surface, response_format={"type": "json_object"}, n=2, seed=5, temperature=1.0)
+    assert len(sampled.choices) == 2
+    for choice in sampled.choices:
+        assert choice.finish_reason == "length" or isinstance(json.loads(choice.message.content), dict)
+    cases = [
+        ({"structured_outputs": {"regex": "[a-z]{3}-[0-9]{2}"}}, lambda text: re.fullmatch("[a-z]{3}-[0-9]{2}", text)),
+        ({"guided_regex": "(yes|no)!"}, lambda text: text in ("yes!", "no!")),
+        ({"structured_outputs": {"choice": ["red", "green"]}}, lambda text: text in ("red", "green")),
+        ({"guided_choice": ["up", "down"]}, lambda text: text in ("up", "down")),
+        ({"structured_outputs": {"grammar": 'root ::= "(" [0-9] ")"'}}, lambda text: re.fullmatch(r"\(\d\)", text)),
+        ({"guided_json": {"enum": [1, 2]}}, lambda text: json.loads(text) in (1, 2)),
+        ({"structured_outputs": {"json": '{"type": "boolean"}'}}, lambda text: text in ("true", "false")),
+    ]
+    for extra, valid in cases:
+        answer = _chat(client, surface, temperature=0, extra_body=extra).choices[0]
+        assert answer.finish_reason == "stop" and valid(answer.message.content), (extra, answer)
+    cut = _chat(client, surface, temperature=0, stop=[" beta"], extra_body={"guided_choice": ["alpha beta gamma"]})
+    assert (cut.choices[0].message.content, cut.choices[0].finish_reason) == ("alpha", "stop")
+    text = surface.post("/v1/completions", {"prompt": "hi", "max_tokens": CAP, "guided_choice": ["yes", "no"]})
+    assert text.status_code == 200 and text.json()["choices"][0]["text"] in ("yes", "no")
+    client.close()
+
+
+HUGE = "x" * 10_000_000
+HOSTILE = {
+    "10 MB schema": (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"description": HUGE}}}},
+        "response_format.json_schema.schema",
+        "above this server's limit",
+    ),
+    "100-deep schema": (
+        {"guided_json": functools.reduce(lambda inner, _: {"type": "array", "items": inner}, range(100), {})},
+        "guided_json",
+        "nested deeper than this server's limit of 64",
+    ),
+    "catastrophic regex": (
+        {"structured_outputs": {"regex": "(x*x*)*y"}},
+        "structured_outputs.regex",
+        "repeats a group that repeats without bound or can match nothing",
+    ),
+    "unknown format": (
+        {"guided_json": {"type": "string", "format": "credit-card"}},
+        "guided_json",
+        "format 'credit-card' is not supported",
+    ),
+    "regex the library refuses": (
+        {"guided_regex": "(?=a)b"},
+        "guided_regex",
+        "does not compile: Regex parsing error at position 3: Lookahead is not supported yet",
+    ),
+    "schema that does not compile": (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+        "response_format.json_schema.schema",
+        'does not compile: Unsupported type "strin"',
+    ),
+    "grammar that does not parse": (
+        {"structured_outputs": {"grammar": "root ::= "}},
+        "structured_outputs.grammar",
+        "does not compile: EBNF parser error",
+    ),
+    "two constraints": (
+        {"guided_regex": "a", "guided_choice": ["a"]},
+        "guided_choice",
+        "one structured-output constraint per request",
+    ),
+}
+
+
+def test_hostile_constraints_are_refused_before_any_worker_reserves(surface: Surface) -> None:
+    """Each is a 400 naming the field and the problem, counted, and no request reached admission (the
+    router's queue-time histogram, recorded once per admitted attempt, and the worker's prompt tokens stay)."""
+    admitted = surface.metric("epd_request_queue_time_seconds_count")
+    served = metric_value(surface.local.workers[0].metrics_port, "epd_prompt_tokens_total")
+    refused = surface.metric("epd_requests_total")
+    for name, (extra, param, said) in HOSTILE.items():
+        error = error_of(surface.post("/v1/chat/completions", {"messages": MESSAGES, **extra}))
+        assert error["param"] == param and said in error["message"], (name, error)
+    deep = '{"messages": [{"role": "user", "content": "x"}], "guided_json": ' + "[" * 10_000 + "]" * 10_000 + "}"
+    response = httpx.post(
+        f"{surface.url}/v1/chat/completions", content=deep, headers={"content-type": "application/json"}, timeout=60
+    )
+    assert "nested too deeply" in error_of(response)["message"]
+    with Client(surface.local.address) as client, pytest.raises(grpc.RpcError) as info:
+        sampling = common_pb2.SamplingParams(max_tokens=4, regex="(a+b)+")
+        client.generate(generation_pb2.GenerateRequest(prompt="hi", sampling=sampling), timeout_s=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("sampling.regex repeats a group")
+    assert surface.metric("epd_request_queue_time_seconds_count") == admitted
+    assert metric_value(surface.local.workers[0].metrics_port, "epd_prompt_tokens_total") == served
+    assert surface.metric("epd_requests_total") >= refused + len(HOSTILE)
+    fine = surface.post("/v1/chat/completions", {"messages": MESSAGES, "guided_choice": ["a"], "max_tokens": 4})
+    assert fine.status_code == 200 and fine.json()["choices"][0]["message"]["content"] == "a"
+    assert surface.metric("epd_request_queue_time_seconds_count") == admitted + 1  # the counts do move
+    assert metric_value(surface.local.workers[0].metrics_port, "epd_prompt_tokens_total") > served
