@@ -7,6 +7,11 @@ ignored, so both runs produce exactly the same number of tokens), Poisson arriva
 in both runs on the same process (the engine encodes at arrival, as a co-located worker; `generate` runs
 the vision tower inside each batch). Prints tokens/s, TTFT and inter-token latency p50/p99 for both,
 then one JSON line with `tokens_per_s`, `baseline_tokens_per_s` and `ratio`.
+
+With `--structured` the engine runs the workload twice in the same run, without a constraint and with a
+JSON-schema constraint on every request (`STRUCTURED_SCHEMA`: at least 64 objects of a name and a flag, so
+every request still makes exactly its tokens), and prints both, then one JSON line with
+`structured_tokens_per_s`, `tokens_per_s` and `structured_ratio` (constrained / unconstrained).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 
 import torch
 
+from services.common.grammar import Constraint
 from services.models.media_span import MediaSpan
 from services.models.registry import load_adapter
 from services.worker.engine.config import ATTENTION_BACKENDS, EngineConfig
@@ -70,6 +76,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="run the vision tower inside both runs (default: embeddings computed beforehand for both)",
     )
+    parser.add_argument(
+        "--structured",
+        action="store_true",
+        help="the engine with and without a JSON-schema constraint on every request (instead of generate)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="runs of each, alternating; medians reported")
     args = parser.parse_args(argv)
@@ -78,15 +89,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
+                "required": ["name", "ok"],
+            },
+            "minItems": 64,
+        }
+    },
+    "required": ["items"],
+}
+"""The ``--structured`` constraint: an extraction-shaped schema whose JSON cannot end before 640 tokens (each
+item takes at least 10), so every request still makes exactly its tokens."""
+
+
 def run_engine(
-    adapter: Any, model: Any, requests: list[BenchRequest], config: EngineConfig, colocated: bool
+    adapter: Any,
+    model: Any,
+    requests: list[BenchRequest],
+    config: EngineConfig,
+    colocated: bool,
+    constraint: Constraint | None = None,
 ) -> list[Timeline]:
     """Feed requests at their arrival times and step until all finish.
 
     A request's image embedding arrives with it (computed beforehand, as the encoder service pushes it),
-    or, ``colocated``, is computed on the engine thread at arrival.
+    or, ``colocated``, is computed on the engine thread at arrival. With ``constraint`` every request has it;
+    it is compiled before the clock starts (a served constraint comes from the worker's cache).
     """
     engine = Engine(adapter, model, config)
+    if constraint is not None:
+        engine.structured.cache.compile(constraint).result()
     timelines = {r.request_id: Timeline(r.arrival_s) for r in requests}
     pending = deque(requests)
     finished = 0
@@ -97,7 +135,7 @@ def run_engine(
         while pending and pending[0].arrival_s <= now:
             arrived.append(pending.popleft())
         if arrived:
-            submit(adapter, model, engine, arrived, colocated)
+            submit(adapter, model, engine, arrived, colocated, constraint)
         if not engine.has_work():
             time.sleep(max(pending[0].arrival_s - (time.perf_counter() - start), 0.0) if pending else 0.0)
             continue
@@ -109,7 +147,14 @@ def run_engine(
     return [timelines[r.request_id] for r in requests]
 
 
-def submit(adapter: Any, model: Any, engine: Engine, arrived: list[BenchRequest], colocated: bool) -> None:
+def submit(
+    adapter: Any,
+    model: Any,
+    engine: Engine,
+    arrived: list[BenchRequest],
+    colocated: bool,
+    constraint: Constraint | None = None,
+) -> None:
     with_image = [r for r in arrived if r.pixels is not None]
     if colocated and with_image:
         embeddings = adapter.encode(model, [r.pixels for r in with_image])
@@ -121,7 +166,7 @@ def submit(adapter: Any, model: Any, engine: Engine, arrived: list[BenchRequest]
         media = []
         if r.pixels is not None:
             media = [MediaSpan(r.request_id, r.image_offset, r.image_tokens, r.pixels.grid_thw)]
-        sampling = SamplingOptions(max_tokens=r.max_tokens, ignore_eos=True)
+        sampling = SamplingOptions(max_tokens=r.max_tokens, ignore_eos=True, structured=constraint)
         engine.add_request(EngineRequest(r.request_id, r.token_ids, media, sampling))
 
 
@@ -170,6 +215,8 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
         requests = make_workload(adapter, args.requests, args.image_fraction, output_range, interval, args.seed)
         warmup = make_workload(adapter, 4, 0.5, (4, 8), 0.0, args.seed + 1)
         encode_images(adapter, engine_model, requests + warmup)
+        if args.structured:
+            return run_structured(args, adapter, engine_model, requests, warmup)
         run_engine(adapter, engine_model, warmup, engine_config(args), args.colocated)
         run_static_batches(adapter, baseline_model, warmup, args.baseline_batch, args.colocated)
         # as the worker does after start-up (services/serve.py): what loading made lives as long as the
@@ -203,6 +250,41 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
         **asdict(ours_median),
         **{f"baseline_{k}": v for k, v in asdict(base_median).items()},
         "ratio": ours_median.tokens_per_s / base_median.tokens_per_s,
+        "requests": len(requests),
+    }
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
+    return result
+
+
+def run_structured(
+    args: argparse.Namespace, adapter: Any, model: Any, requests: list[BenchRequest], warmup: list[BenchRequest]
+) -> dict[str, Any]:
+    """``--structured``: the engine without and with ``STRUCTURED_SCHEMA`` on every request, alternating."""
+    constraint = Constraint("json_schema", json.dumps(STRUCTURED_SCHEMA))
+    config = engine_config(args)
+    run_engine(adapter, model, warmup, config, args.colocated)
+    run_engine(adapter, model, warmup, config, args.colocated, constraint)
+    gc.collect()
+    gc.freeze()
+    plain, constrained = [], []
+    for _ in range(args.repeats):
+        plain.append(summarize(run_engine(adapter, model, requests, config, args.colocated)))
+        constrained.append(summarize(run_engine(adapter, model, requests, config, args.colocated, constraint)))
+    print(
+        f"workload: {len(requests)} requests, outputs {args.min_output}-{args.max_output} tokens; the same engine "
+        f"without and with a JSON-schema constraint on every request; {args.repeats} runs each, medians last"
+    )
+    for i, (a, b) in enumerate(zip(plain, constrained, strict=True)):
+        print(line(f"free #{i + 1}", a))
+        print(line(f"schema #{i + 1}", b))
+    free, schema = median_summary(plain), median_summary(constrained)
+    print(line("free", free))
+    print(line("schema", schema))
+    assert free.output_tokens == schema.output_tokens, "the constraint ended requests early"
+    result = {
+        **asdict(free),
+        **{f"structured_{k}": v for k, v in asdict(schema).items()},
+        "structured_ratio": schema.tokens_per_s / free.tokens_per_s,
         "requests": len(requests),
     }
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
