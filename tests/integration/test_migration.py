@@ -9,6 +9,7 @@ reserved, running or pinned.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -20,11 +21,16 @@ from pathlib import Path
 
 import grpc
 import pytest
+import xgrammar as xgr
+from transformers import AutoTokenizer
 
+from services.common.grammar_cache import tokenizer_info
 from services.common.registry import Registry
+from services.common.rpc.epd.v1 import generation_pb2
 from services.launch import local
 from services.launch.health import wait_healthy
 from services.launch.supervisor import Supervisor
+from tests.bench.bench_engine import STRUCTURED_SCHEMA
 from tests.integration.conftest import RedisServer
 from tests.reliability_support import (
     Load,
@@ -74,11 +80,22 @@ def _all_serving(s: Supervised) -> None:
     settled_workers(s.cluster.redis_url, 2)
 
 
-def test_worker_killed_mid_stream_every_request_completes_unchanged(supervised: Supervised) -> None:
-    """Worker kill: 16 concurrent greedy image requests, kill -9 of a worker once every stream has tokens."""
+def _requests(salt: str) -> list[generation_pb2.GenerateRequest]:
+    """The kill test's requests: every other one holds its output to a JSON schema it cannot finish in TOKENS."""
+    requests = [image_request(i, TOKENS, salt=salt) for i in range(STREAMS)]
+    for request in requests[1::2]:
+        request.sampling.json_schema = json.dumps(STRUCTURED_SCHEMA)
+    return requests
+
+
+def test_worker_killed_mid_stream_every_request_completes_unchanged(
+    supervised: Supervised, tiny_model_dir: Path
+) -> None:
+    """Worker kill: 16 concurrent greedy image requests (half of them constrained by a JSON schema), kill -9 of
+    a worker once every stream has tokens; the constrained outputs are still what the schema allows."""
     cluster = supervised.cluster
     _all_serving(supervised)
-    calm = run_all([cluster.address], [image_request(i, TOKENS, salt="calm") for i in range(STREAMS)])
+    calm = run_all([cluster.address], _requests("calm"))
     assert all(o.ok and len(o.token_ids) == TOKENS for o in calm), describe([o for o in calm if not o.ok])
     assert sum(o.migrations for o in calm) == 0
     before = sum(metric_by_label(cluster.router.metrics_port, "epd_migrations_total", "reason").values())
@@ -90,7 +107,7 @@ def test_worker_killed_mid_stream_every_request_completes_unchanged(supervised: 
         if len(started) == STREAMS:
             everyone.set()
 
-    requests = [image_request(i, TOKENS, salt="disturbed") for i in range(STREAMS)]
+    requests = _requests("disturbed")
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(run_all, [cluster.address], requests, 120.0, on_chunk)
         assert everyone.wait(120), f"only {len(started)} streams started"
@@ -102,6 +119,12 @@ def test_worker_killed_mid_stream_every_request_completes_unchanged(supervised: 
         assert moved.final.usage.completion_tokens == TOKENS
     migrated = sum(o.migrations for o in disturbed)
     assert migrated > 0
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer, len(tokenizer), [tokenizer.eos_token_id]))
+    schema = compiler.compile_json_schema(json.dumps(STRUCTURED_SCHEMA), any_whitespace=False)
+    for moved in disturbed[1::2]:
+        matcher = xgr.GrammarMatcher(schema)
+        assert all(matcher.accept_token(t) for t in moved.token_ids), f"request {moved.index} left its schema"
     by_reason = metric_by_label(cluster.router.metrics_port, "epd_migrations_total", "reason")
     assert sum(by_reason.values()) - before == migrated, by_reason
     _all_serving(supervised)  # the supervisor started it again; no block stays reserved, used or pinned
