@@ -4,9 +4,9 @@ engine thread, and each step's token bitmask applied to the logits on their devi
 Invariants: a constrained sequence is not scheduled until its grammar is compiled (``GrammarState.ready``);
 its matcher has then accepted every token it generated, those of a previous worker included (a migrated
 request's ``generated_tokens``), so the engine's tokens and the matcher never disagree. A step fills one
-bitmask on the host for the constrained rows alone and uploads it once with their row indices; the device
-unpacks it and sets disallowed logits to -inf in a copy (the raw logits stay as they were: logprobs read
-them). Rows without a constraint are not touched, and a step without any costs nothing here.
+bitmask on the host for the constrained rows alone (one call into xgrammar) and uploads it once; xgrammar's
+kernel sets the disallowed logits to -inf on the logits' device, in a copy (the raw logits stay as they were:
+logprobs read them). Rows without a constraint are not touched, and a step without any costs nothing here.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from services.common.grammar_cache import GrammarCache, tokenizer_info
 from services.worker.engine.host_device import HostDevice
 
 log = logging.getLogger(__name__)
-BITS = 32  # xgrammar's bitmask packs 32 token ids per int32
 FILL_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 """Threads xgrammar fills a step's bitmask rows on (in C++, the rows split between them)."""
 
@@ -98,8 +97,9 @@ class StructuredOutputs:
         return GrammarState(compiling, time.perf_counter() + self.timeout_s, self.timeout_s)
 
     def fill_bitmask(self, states: list[GrammarState | None]) -> tuple[list[int], torch.Tensor] | None:
-        """The rows of a step's sampled sequences that are constrained, and their bitmask ``[rows, words]``
-        (int32, on the host), filled by each matcher; None when no row is constrained."""
+        """The rows of a step's sampled sequences that are constrained, and the step's bitmask ``[rows of the
+        step, words]`` (int32, on the host) with those rows filled by their matchers in one call (the others
+        are never read); None when no row is constrained."""
         rows = [i for i, state in enumerate(states) if state is not None]
         if not rows:
             return None
@@ -107,8 +107,9 @@ class StructuredOutputs:
 
         if self._batch is None:
             self._batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
-        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
-        self._batch.batch_fill_next_token_bitmask([states[i].matcher for i in rows], bitmask)  # type: ignore[union-attr]
+        bitmask = xgr.allocate_token_bitmask(len(states), self.vocab_size)
+        matchers = [states[i].matcher for i in rows]  # type: ignore[union-attr]
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
         return rows, bitmask
 
     def close(self) -> None:
@@ -116,14 +117,12 @@ class StructuredOutputs:
 
 
 def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor, io: HostDevice) -> torch.Tensor:
-    """A float32 copy of ``logits [N, vocab]`` with, in each of ``rows``, the tokens whose bit is 0 in its row of
-    ``bitmask [len(rows), words]`` set to -inf (bit ``j % 32`` of word ``j // 32`` is token ``j``). Two uploads
-    (the bitmask, the row indices); no host read."""
-    vocab = logits.shape[-1]
+    """A float32 copy of ``logits [N, vocab]`` with, in each of ``rows``, the tokens whose bit is 0 in that row of
+    ``bitmask [N, words]`` set to -inf (bit ``j % 32`` of word ``j // 32`` is token ``j``), by xgrammar's kernel
+    on the logits' device (C++ on the CPU, Triton on CUDA). One upload (the bitmask); no host read."""
+    import xgrammar as xgr
+
     masks = io.to_device(bitmask, torch.int32)
-    index = io.upload(rows, torch.int64)
-    shifts = torch.arange(BITS, dtype=torch.int32, device=masks.device)
-    allowed = ((masks.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
     out = logits.to(torch.float32, copy=True)
-    scores = out.index_select(0, index).masked_fill_(~allowed, float("-inf"))
-    return out.index_copy_(0, index, scores)
+    xgr.apply_token_bitmask_inplace(out, masks, indices=rows)
+    return out
