@@ -247,10 +247,10 @@ def _exit_on_sigterm(_signum: int, _frame: object) -> None:
 
 
 @contextlib.contextmanager
-def local_cluster(startup_timeout_s: float = 180.0) -> Iterator[tuple[str, int]]:
-    """A local epd cluster (private Redis, tiny model in a temporary folder, router HTTP on a free port); yields
-    its base URL and the router's pid, and stops everything on the way out (SIGTERM becomes an exit, so a
-    terminated bench stops it too)."""
+def local_cluster(startup_timeout_s: float = 180.0, model_dir: Path | None = None) -> Iterator[tuple[str, int]]:
+    """A local epd cluster with default settings (private Redis, `model_dir` or a tiny model in a temporary
+    folder, router HTTP on a free port); yields its base URL and the router's pid, and stops everything on the
+    way out (SIGTERM becomes an exit, so a terminated bench stops it too)."""
     from services.launch.local import ClusterSpec, free_port, start_cluster
     from services.models.tiny_model import make_tiny_model
     from tests.redis_server import RedisServer
@@ -260,7 +260,7 @@ def local_cluster(startup_timeout_s: float = 180.0) -> Iterator[tuple[str, int]]
     redis.start()
     try:
         with tempfile.TemporaryDirectory(prefix="epd-bench-serve-") as tmp:
-            model = make_tiny_model(Path(tmp) / "model", "qwen2-vl")
+            model = model_dir or make_tiny_model(Path(tmp) / "model", "qwen2-vl")
             spec = ClusterSpec(
                 model,
                 redis_url=redis.url,
