@@ -104,7 +104,7 @@ def grammar_of(constraint: Constraint) -> Any:
     try:
         if constraint.kind == "json_schema":
             spaced = constraint.any_whitespace
-            return _json_strings(xgr.Grammar.from_json_schema(constraint.text, any_whitespace=spaced))
+            return json_strings(xgr.Grammar.from_json_schema(constraint.text, any_whitespace=spaced))
         if constraint.kind == "json_object":
             return xgr.Grammar.from_json_schema(
                 '{"type": "object"}', any_whitespace=constraint.any_whitespace, strict_mode=False
@@ -122,7 +122,7 @@ _LENGTH_BOUNDED_CHAR = r"[^\"\\\r\n]"  # xgrammar 0.2.8's character of a string 
 _JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"  # what JSON allows unescaped: no control character
 
 
-def _json_strings(grammar: Any) -> Any:
+def json_strings(grammar: Any) -> Any:
     """``grammar`` with xgrammar 0.2.8's length-bounded string characters (which admit control characters,
     making output no JSON parser takes) narrowed to JSON's unescaped characters; the same grammar otherwise."""
     import xgrammar as xgr

@@ -245,7 +245,7 @@ class Routes:
         logprobs = bool(body.logprobs)
         if body.stream:
             usage = StreamUsage(body.include_usage, body.continuous_usage)
-            writer = ChunkWriter(envelope, body.choices, usage, logprobs)
+            writer = ChunkWriter(envelope, body.choices, usage, logprobs, tools=body.offers_tools)
             return await self._stream(request, tenant, proto, body.field_names(), writer)
         builder = CompletionBuilder(envelope, logprobs)
         return await self._whole(request, tenant, proto, body.field_names(), builder)

@@ -33,9 +33,7 @@ F32_MAX = 3.4028234663852886e38  # the largest finite float32: a larger value wo
 # the values that mean "off" (what leaving the field out means); anything else is refused with 400 naming
 # the field. `best_of` is refused unless it equals `n` (`_check_refused`).
 REFUSED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
     "functions": (None, []),
-    "tool_choice": (None, "none", "auto"),  # "auto" without tools: none
     "function_call": (None, "none", "auto"),
     "audio": (None,),
     "modalities": (None, ["text"]),
@@ -64,6 +62,8 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "continue_final_message": (None, False),
     "vllm_xargs": (None, {}),
 }
+COMPLETION_REFUSED = {"tools": (None, []), "tool_choice": (None, "none", "auto")}
+"""Chat's tool fields, refused on text completions (no system turn to offer tools in)."""
 ADD_SPECIAL_TOKENS = {"chat": (None, False), "completion": (None, True)}  # vLLM's defaults differ by endpoint
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system turn
 PART_TYPES = ("text", "image_url", "video_url")
@@ -332,6 +332,8 @@ class GenerationFields(ApiModel):
     def _check_refused(self) -> GenerationFields:
         extra = self.model_extra or {}
         refused = {**REFUSED, "add_special_tokens": ADD_SPECIAL_TOKENS[self.endpoint]}
+        if self.endpoint == "completion":
+            refused.update(COMPLETION_REFUSED)
         for name, neutral in refused.items():
             error = refusal(name, extra.get(name), neutral)
             if error is not None:
@@ -388,6 +390,27 @@ class GenerationFields(ApiModel):
         return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
+class FunctionDef(ApiModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="the arguments' JSON Schema")
+    strict: bool | None = None
+
+
+class ToolDef(ApiModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(ApiModel):
+    name: str
+
+
+class NamedToolChoice(ApiModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(GenerationFields):
     """The body of `POST /v1/chat/completions` (and of `/v1/count_tokens`)."""
 
@@ -398,6 +421,10 @@ class ChatCompletionRequest(GenerationFields):
     )
 
     messages: list[Message] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default auto with tools; required or a named function: exactly one call"
+    )
     max_completion_tokens: int | None = Field(None, ge=1, le=U32)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -407,6 +434,26 @@ class ChatCompletionRequest(GenerationFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("top_logprobs", "top_logprobs needs logprobs=true")
         return self
+
+    @property
+    def offers_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def tool_protos(self) -> tuple[list[generation_pb2.Tool], generation_pb2.ToolChoice]:
+        tools = [
+            generation_pb2.Tool(
+                name=t.function.name,
+                description=t.function.description or "",
+                parameters=schema_text(f"tools[{i}].function.parameters", t.function.parameters)
+                if t.function.parameters is not None
+                else "",
+            )
+            for i, t in enumerate(self.tools or [])
+        ]
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return tools, generation_pb2.ToolChoice(mode="function", function=choice.function.name)
+        return tools, generation_pb2.ToolChoice(mode=choice or "")
 
     def field_names(self) -> dict[str, str]:
         """`SamplingParams` field -> the HTTP field it came from (where the names differ)."""
@@ -475,11 +522,14 @@ def generation_messages(messages: list[Message]) -> list[generation_pb2.Message]
 
 def generate_request(body: ChatCompletionRequest, request_id: str) -> generation_pb2.GenerateRequest:
     """The gRPC request the chat body stands for."""
+    tools, choice = body.tool_protos()
     return generation_pb2.GenerateRequest(
         request_id=request_id,
         messages=generation_messages(body.messages),
         sampling=sampling_params(body),
         cache_salt=body.cache_salt or "",
+        tools=tools,
+        tool_choice=choice,
     )
 
 

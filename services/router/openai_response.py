@@ -5,7 +5,9 @@ non-streamed answer (`CompletionBuilder`); `text_completion` objects of `/v1/com
 (`TextChunkWriter`, `TextCompletionBuilder`). Invariant: both read the same responses in the same way,
 so a choice's streamed deltas concatenate to its non-streamed content, and either equals the text of
 that choice in the gRPC answer to the same request; its logprob entries are the gRPC chunk's
-`logprobs`, one per token, in order; `usage` carries the Final's numbers unchanged.
+`logprobs`, one per token, in order; `usage` carries the Final's numbers unchanged. With tools offered, the
+calls the text makes leave the content: streamed as `delta.tool_calls` once each closes, whole as
+`message.tool_calls` (the Final's, same ids), and the choice finishes `tool_calls`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.rpc.epd.v1 import common_pb2, generation_pb2
+from services.router.tool_calls import ToolCallStream, parse_tool_calls
 
 DONE = b"data: [DONE]\n\n"
 LOWEST_LOGPROB = -9999.0  # what -inf is sent as (JSON has no infinities), as vLLM does
@@ -102,6 +105,9 @@ class ChunkWriter:
     n: int = 1
     usage: StreamUsage = field(default_factory=StreamUsage)
     logprobs: bool = False
+    tools: bool = False  # tools were offered: calls leave the content and stream as `delta.tool_calls`
+    _calls: dict[int, ToolCallStream] = field(default_factory=dict)
+    _made: dict[int, int] = field(default_factory=dict)  # calls streamed per choice
 
     def _chunk(self, index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -115,15 +121,30 @@ class ChunkWriter:
         if response.HasField("chunk"):
             chunk = response.chunk
             self.usage.take(chunk)
-            if not chunk.text and not (self.logprobs and chunk.logprobs):
-                return []  # tokens whose text is held back (a possible stop string, a partial character)
-            logprobs = {"content": [logprob_entry(e) for e in chunk.logprobs]} if self.logprobs else None
-            return [self._chunk(chunk.index, {"content": chunk.text}, logprobs)]
+            text, calls = chunk.text, []
+            if self.tools:
+                text, calls = self._calls.setdefault(chunk.index, ToolCallStream()).feed(text)
+            out = []
+            if text or (self.logprobs and chunk.logprobs):  # else its text is held back (a stop string, ...)
+                logprobs = {"content": [logprob_entry(e) for e in chunk.logprobs]} if self.logprobs else None
+                out.append(self._chunk(chunk.index, {"content": text}, logprobs))
+            return out + [self._call_chunk(chunk.index, call) for call in calls]
         final = response.final
-        out = [self._chunk(index, {}, finish=reason) for index, reason in choice_ends(final)]
+        out = [
+            self._chunk(index, {"content": stream.finish()}) for index, stream in self._calls.items() if stream.holding
+        ]
+        out += [self._chunk(index, {}, finish=reason) for index, reason in choice_ends(final)]
         if self.usage.include:
             out.append(self.envelope.wrap("chat.completion.chunk", choices=[], usage=usage_json(final.usage)))
         return out
+
+    def _call_chunk(self, index: int, call: generation_pb2.ToolCall) -> dict[str, Any]:
+        number = self._made[index] = self._made.get(index, -1) + 1
+        return self._chunk(index, {"tool_calls": [{"index": number, **tool_call_json(call)}]})
+
+
+def tool_call_json(call: generation_pb2.ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 @dataclass
@@ -152,7 +173,11 @@ class CompletionBuilder:
     def _choice(self, index: int, reason: str) -> dict[str, Any]:
         got = self.choices.get(index, _Choice())
         logprobs = {"content": got.logprobs} if self.logprobs else None
-        message = {"role": "assistant", "content": "".join(got.text)}
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(got.text)}
+        ends = [end for end in self.final.choices if end.index == index] if self.final is not None else []
+        if ends and ends[0].tool_calls:  # the content less the calls (None when nothing else was said)
+            message["content"] = parse_tool_calls(message["content"])[0] or None
+            message["tool_calls"] = [tool_call_json(call) for call in ends[0].tool_calls]
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
     def result(self) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from services.common import video
+from services.common.grammar import ConstraintError
 from services.common.media import MediaError, MediaLimits
 from services.common.media_types import VideoLimits
 from services.common.model_info import ModelInfo
@@ -28,6 +29,7 @@ from services.router.metrics import RouterMetrics
 from services.router.processor_params import check_processor_params
 from services.router.structured import StructuredCheck
 from services.router.text_prompt import account_prompt
+from services.router.tool_calls import call_grammar, check_tools, tools_system_text
 
 MAX_LOGPROBS = 20
 """The most top alternatives a request may ask for per token (`sampling.logprobs`), as OpenAI allows."""
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 class Prepared:
     accounted: Accounted
     sampling: common_pb2.SamplingParams
+    tools: bool = False  # the model was offered tools: its text is parsed for calls
 
 
 def validate_sampling(sampling: common_pb2.SamplingParams, config: RouterConfig) -> common_pb2.SamplingParams:
@@ -60,6 +63,20 @@ def validate_sampling(sampling: common_pb2.SamplingParams, config: RouterConfig)
     if len(out.stop) > 16 or any(len(s) > 256 for s in out.stop):
         raise invalid("sampling.stop: at most 16 stop strings of at most 256 characters")
     return out
+
+
+def with_tools_turn(request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateRequest:
+    """A copy whose system turn offers the tools (Qwen2.5's tools block after the system text, or a system turn
+    of its own first)."""
+    copy = generation_pb2.GenerateRequest()
+    copy.CopyFrom(request)
+    text = tools_system_text(list(request.tools))
+    if copy.messages and copy.messages[0].role == "system":
+        copy.messages[0].content.add(text="\n\n" + text)
+    else:
+        turn = generation_pb2.Message(role="system", content=[generation_pb2.ContentPart(text=text)])
+        copy.messages.insert(0, turn)
+    return copy
 
 
 INLINE_TEXT_CHARS = 8192
@@ -123,6 +140,9 @@ class RequestPrep:
     def _prepare_sync(self, request: generation_pb2.GenerateRequest) -> Prepared:
         sampling = validate_sampling(request.sampling, self._config)
         check_processor_params(sampling, self._info.adapter.tokenizer, self._info.adapter.vocab_size)
+        offered = self._offer_tools(request, sampling)
+        if offered:
+            request = with_tools_turn(request)
         self.structured.resolve(sampling)
         if request.prompt:
             if request.messages:
@@ -139,7 +159,32 @@ class RequestPrep:
                 f"request projects {accounted.projected_tokens} tokens, above this server's limit of "
                 f"{self._config.max_projected_tokens}"
             )
-        return Prepared(accounted, sampling)
+        return Prepared(accounted, sampling, offered)
+
+    def _offer_tools(self, request: generation_pb2.GenerateRequest, sampling: common_pb2.SamplingParams) -> bool:
+        """Whether the request offers the model tools (any, and tool_choice not "none"); with "required" or a
+        named function, ``sampling.grammar`` becomes the grammar of one call. INVALID_ARGUMENT naming the field
+        for bad tools or a choice that cannot hold."""
+        choice = request.tool_choice
+        try:
+            check_tools(list(request.tools), choice, self._config.structured_max_depth)
+        except ConstraintError as exc:
+            raise invalid(str(exc)) from None
+        if not request.tools or choice.mode == "none":
+            return False
+        if request.prompt:
+            raise invalid("tools need messages (a raw prompt has no system turn to offer them in)")
+        if choice.mode in ("required", "function"):
+            if sampling.WhichOneof("structured") is not None:
+                raise invalid(f"tool_choice {choice.mode} holds the answer to a call: no other constraint with it")
+            tools = [t for t in request.tools if choice.mode == "required" or t.name == choice.function]
+            spaced = self._config.structured_any_whitespace
+            any_whitespace = sampling.any_whitespace if sampling.HasField("any_whitespace") else spaced
+            try:
+                sampling.grammar = call_grammar(tools, any_whitespace)
+            except ConstraintError as exc:
+                raise invalid(str(exc)) from None
+        return True
 
     def _account_messages(
         self, request: generation_pb2.GenerateRequest, sampling: common_pb2.SamplingParams

@@ -209,7 +209,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
         choices = Choices(self._info.adapter.tokenizer, list(sampling.stop), sampling.n, self._token_texts)
         intake_s = time.perf_counter() - intake_from
-        state = StreamState(choices, Progress(sampling.n), start, intake_s, prompt_tokens=accounted.prompt_tokens)
+        state = StreamState(
+            choices, Progress(sampling.n), start, intake_s, prompt_tokens=accounted.prompt_tokens, tools=prepared.tools
+        )
         migrations = Migrations(
             self._config.migration_limit, lambda reason: self._metrics.migrations.add(1, {"reason": reason})
         )

@@ -3,7 +3,9 @@
 A request that migrates (services/router/migration.py) keeps one `StreamState`: the choices' detokenizers
 and stop strings, the token ids streamed (`progress`), the first-token timing of the first attempt and the
 queue and encode time of all of them. Invariant: what the client received is exactly `progress`'s tokens,
-in order, and the Final's usage counts them (`completion_tokens`) and the migrations.
+in order, and the Final's usage counts them (`completion_tokens`) and the migrations. With tools offered,
+each choice's text is kept and the Final carries the calls parsed from it (`finish_reason` "tool_calls" for a
+choice that stopped after making calls).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from services.router.accounting import Accounted
 from services.router.metrics import RouterMetrics
 from services.router.migration import Progress
 from services.router.output import Choices
+from services.router.tool_calls import parse_tool_calls
 
 
 @dataclass
@@ -32,6 +35,8 @@ class StreamState:
     encode_stages: common_pb2.EncodeStages = field(default_factory=common_pb2.EncodeStages)
     cached: int = 0
     prompt_tokens: int = 0  # told on the first chunk (usage before the end)
+    tools: bool = False  # the model was offered tools: each choice's text is kept and parsed for calls at the end
+    texts: dict[int, list[str]] = field(default_factory=dict)
     _last: float = field(default=0.0, repr=False)
     _told_prompt: bool = field(default=False, repr=False)
 
@@ -50,6 +55,8 @@ class StreamState:
         chunk = self.choices.chunk(response)
         if chunk is not None:
             self.progress.add(response.index, list(response.token_ids))
+            if self.tools:
+                self.texts.setdefault(response.index, []).append(chunk.text)
             if not self._told_prompt:
                 chunk.prompt_tokens, self._told_prompt = self.prompt_tokens, True
         return chunk
@@ -75,6 +82,12 @@ class StreamState:
             encode_stages=self.encode_stages,
         )
         ends = self.choices.ends()
+        if self.tools:
+            for end in ends:
+                calls = parse_tool_calls("".join(self.texts.get(end.index, [])))[1]
+                end.tool_calls.extend(calls)
+                if calls and end.finish_reason == "stop":
+                    end.finish_reason = "tool_calls"
         return generation_pb2.Final(
             finish_reason=ends[0].finish_reason, usage=usage, timing=timing, request_id=request_id, choices=ends
         )

@@ -8,6 +8,7 @@ second one (429), and a request of 8192 new tokens can never fit (400).
 from __future__ import annotations
 
 import base64
+import json
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -300,7 +301,8 @@ def test_never_fits_is_400(api: Api) -> None:
 def test_invalid_bodies_are_400(api: Api) -> None:
     cases = {
         "messages: expected an array, got a string": {"messages": "hello"},
-        "tools is not supported": {"messages": chat("hi"), "tools": [{"type": "function"}]},
+        "tools[0].function: required": {"messages": chat("hi"), "tools": [{"type": "function"}]},
+        "functions is not supported": {"messages": chat("hi"), "functions": [{"name": "f"}]},
         "stream_options is only allowed with stream=true": {
             "messages": chat("hi"),
             "stream_options": {"include_usage": True},
@@ -495,3 +497,62 @@ def test_image_url_is_fetched_like_grpc(api: Api) -> None:
         )
     expected = api.grpc.generate(user_request(PROMPT, [data], max_tokens=MAX_TOKENS))
     assert answer.choices[0].message.content == expected.text
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10}},
+            "required": ["city"],
+        },
+    },
+}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_tool_calls_with_required_and_named_choices_parse_into_the_clients_objects(api: Api) -> None:
+    """`tool_choice` "required" or a named function: exactly one call, held to its schema by a grammar, in
+    `message.tool_calls` and streamed `delta.tool_calls`, finish_reason "tool_calls"; the gRPC Final carries
+    the same call; "auto" is served, and "none" leaves the tools out."""
+    base = dict(model=api.model, messages=chat("What is the weather in Paris?"), max_tokens=96, temperature=0)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, names in [("required", {"get_weather", "get_time"}), (named, {"get_weather"})]:
+        answer = api.openai.chat.completions.create(**base, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=choice)
+        made = answer.choices[0]
+        assert made.finish_reason == "tool_calls" and made.message.content is None, made
+        (call,) = made.message.tool_calls
+        assert call.type == "function" and call.function.name in names and call.id.startswith("call_")
+        arguments = json.loads(call.function.arguments)
+        if call.function.name == "get_weather":
+            assert set(arguments) == {"city"} and len(arguments["city"]) <= 10
+        streamed, finish = {}, None
+        for chunk in api.openai.chat.completions.create(
+            **base, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=choice, stream=True
+        ):
+            for delta_choice in chunk.choices:
+                assert not delta_choice.delta.content
+                for delta in delta_choice.delta.tool_calls or []:
+                    streamed[delta.index] = (delta.function.name, delta.function.arguments)
+                finish = delta_choice.finish_reason or finish
+        assert finish == "tool_calls" and streamed == {0: (call.function.name, call.function.arguments)}
+    request = user_request("What is the weather in Paris?", max_tokens=96)
+    request.tools.add(name="get_weather", parameters=json.dumps(WEATHER_TOOL["function"]["parameters"]))
+    request.tool_choice.mode = "required"
+    answered = grpc_choices(api, request)
+    (end,) = answered.final.choices
+    assert end.finish_reason == "tool_calls" and [c.name for c in end.tool_calls] == ["get_weather"]
+    assert set(json.loads(end.tool_calls[0].arguments)) == {"city"}
+    assert answered.texts[0].startswith("<tool_call>\n") and answered.texts[0].endswith("\n</tool_call>")
+    short = base | {"max_tokens": 8}
+    auto = api.openai.chat.completions.create(**short, tools=[WEATHER_TOOL], tool_choice="auto")
+    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    plain = api.openai.chat.completions.create(**short)
+    none = api.openai.chat.completions.create(**short, tools=[WEATHER_TOOL], tool_choice="none")
+    assert none.choices[0].message.content == plain.choices[0].message.content
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens < auto.usage.prompt_tokens
+    error = error_body(api.post("/v1/chat/completions", {"messages": chat("hi"), "tool_choice": "required"}))
+    assert "tool_choice required needs tools" in error["message"]

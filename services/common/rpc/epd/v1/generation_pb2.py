@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.rpc.epd.v1 import common_pb2 as epd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x65pd/v1/generation.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\"C\n\x05Media\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\r\n\x03url\x18\x02 \x01(\tH\x00\x12\x11\n\tmime_type\x18\x03 \x01(\tB\x08\n\x06source\"e\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x1e\n\x05image\x18\x02 \x01(\x0b\x32\r.epd.v1.MediaH\x00\x12\x1e\n\x05video\x18\x03 \x01(\x0b\x32\r.epd.v1.MediaH\x00\x42\x06\n\x04part\"=\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12$\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x13.epd.v1.ContentPart\"\x96\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x08messages\x18\x02 \x03(\x0b\x32\x0f.epd.v1.Message\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x0e\n\x06prompt\x18\x05 \x01(\t\"\xa5\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x13\n\x0btext_tokens\x18\x02 \x01(\r\x12\x14\n\x0cimage_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x14\n\x0cvideo_tokens\x18\x06 \x01(\r\x12\x12\n\nmigrations\x18\x07 \x01(\r\"\xbf\x01\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x10\n\x08\x65ncode_s\x18\x02 \x01(\x01\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\x12\x10\n\x08intake_s\x18\x06 \x01(\x01\x12\x18\n\x10\x65mbedding_wait_s\x18\x07 \x01(\x01\x12+\n\rencode_stages\x18\x08 \x01(\x0b\x32\x14.epd.v1.EncodeStages\"v\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12&\n\x08logprobs\x18\x04 \x03(\x0b\x32\x14.epd.v1.TokenLogprob\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\"L\n\tChoiceEnd\x12\r\n\x05index\x18\x01 \x01(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"\x94\x01\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x1c\n\x05usage\x18\x02 \x01(\x0b\x32\r.epd.v1.Usage\x12\x1e\n\x06timing\x18\x03 \x01(\x0b\x32\x0e.epd.v1.Timing\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\"\n\x07\x63hoices\x18\x05 \x03(\x0b\x32\x11.epd.v1.ChoiceEnd\"Z\n\x10GenerateResponse\x12\x1e\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\r.epd.v1.ChunkH\x00\x12\x1e\n\x05\x66inal\x18\x02 \x01(\x0b\x32\r.epd.v1.FinalH\x00\x42\x06\n\x04kind\"\xab\x01\n\nTokenCount\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x13\n\x0btext_tokens\x18\x02 \x01(\r\x12\x14\n\x0cimage_tokens\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x18\n\x10projected_tokens\x18\x05 \x01(\r\x12\x17\n\x0ftokens_per_item\x18\x06 \x03(\r\x12\x14\n\x0cvideo_tokens\x18\x07 \x01(\r2\x89\x01\n\nGeneration\x12?\n\x08Generate\x12\x17.epd.v1.GenerateRequest\x1a\x18.epd.v1.GenerateResponse0\x01\x12:\n\x0b\x43ountTokens\x12\x17.epd.v1.GenerateRequest\x1a\x12.epd.v1.TokenCountb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x65pd/v1/generation.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\"C\n\x05Media\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\r\n\x03url\x18\x02 \x01(\tH\x00\x12\x11\n\tmime_type\x18\x03 \x01(\tB\x08\n\x06source\"e\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x1e\n\x05image\x18\x02 \x01(\x0b\x32\r.epd.v1.MediaH\x00\x12\x1e\n\x05video\x18\x03 \x01(\x0b\x32\r.epd.v1.MediaH\x00\x42\x06\n\x04part\"=\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12$\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x13.epd.v1.ContentPart\"\xdc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x08messages\x18\x02 \x03(\x0b\x32\x0f.epd.v1.Message\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x0e\n\x06prompt\x18\x05 \x01(\t\x12\x1b\n\x05tools\x18\x06 \x03(\x0b\x32\x0c.epd.v1.Tool\x12\'\n\x0btool_choice\x18\x07 \x01(\x0b\x32\x12.epd.v1.ToolChoice\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\",\n\nToolChoice\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x10\n\x08\x66unction\x18\x02 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xa5\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x13\n\x0btext_tokens\x18\x02 \x01(\r\x12\x14\n\x0cimage_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x14\n\x0cvideo_tokens\x18\x06 \x01(\r\x12\x12\n\nmigrations\x18\x07 \x01(\r\"\xbf\x01\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x10\n\x08\x65ncode_s\x18\x02 \x01(\x01\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\x12\x10\n\x08intake_s\x18\x06 \x01(\x01\x12\x18\n\x10\x65mbedding_wait_s\x18\x07 \x01(\x01\x12+\n\rencode_stages\x18\x08 \x01(\x0b\x32\x14.epd.v1.EncodeStages\"v\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12&\n\x08logprobs\x18\x04 \x03(\x0b\x32\x14.epd.v1.TokenLogprob\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\"r\n\tChoiceEnd\x12\r\n\x05index\x18\x01 \x01(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12$\n\ntool_calls\x18\x04 \x03(\x0b\x32\x10.epd.v1.ToolCall\"\x94\x01\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x1c\n\x05usage\x18\x02 \x01(\x0b\x32\r.epd.v1.Usage\x12\x1e\n\x06timing\x18\x03 \x01(\x0b\x32\x0e.epd.v1.Timing\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\"\n\x07\x63hoices\x18\x05 \x03(\x0b\x32\x11.epd.v1.ChoiceEnd\"Z\n\x10GenerateResponse\x12\x1e\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\r.epd.v1.ChunkH\x00\x12\x1e\n\x05\x66inal\x18\x02 \x01(\x0b\x32\r.epd.v1.FinalH\x00\x42\x06\n\x04kind\"\xab\x01\n\nTokenCount\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x13\n\x0btext_tokens\x18\x02 \x01(\r\x12\x14\n\x0cimage_tokens\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x18\n\x10projected_tokens\x18\x05 \x01(\r\x12\x17\n\x0ftokens_per_item\x18\x06 \x03(\r\x12\x14\n\x0cvideo_tokens\x18\x07 \x01(\r2\x89\x01\n\nGeneration\x12?\n\x08Generate\x12\x17.epd.v1.GenerateRequest\x1a\x18.epd.v1.GenerateResponse0\x01\x12:\n\x0b\x43ountTokens\x12\x17.epd.v1.GenerateRequest\x1a\x12.epd.v1.TokenCountb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,21 +39,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MESSAGE']._serialized_start=228
   _globals['_MESSAGE']._serialized_end=289
   _globals['_GENERATEREQUEST']._serialized_start=292
-  _globals['_GENERATEREQUEST']._serialized_end=442
-  _globals['_USAGE']._serialized_start=445
-  _globals['_USAGE']._serialized_end=610
-  _globals['_TIMING']._serialized_start=613
-  _globals['_TIMING']._serialized_end=804
-  _globals['_CHUNK']._serialized_start=806
-  _globals['_CHUNK']._serialized_end=924
-  _globals['_CHOICEEND']._serialized_start=926
-  _globals['_CHOICEEND']._serialized_end=1002
-  _globals['_FINAL']._serialized_start=1005
-  _globals['_FINAL']._serialized_end=1153
-  _globals['_GENERATERESPONSE']._serialized_start=1155
-  _globals['_GENERATERESPONSE']._serialized_end=1245
-  _globals['_TOKENCOUNT']._serialized_start=1248
-  _globals['_TOKENCOUNT']._serialized_end=1419
-  _globals['_GENERATION']._serialized_start=1422
-  _globals['_GENERATION']._serialized_end=1559
+  _globals['_GENERATEREQUEST']._serialized_end=512
+  _globals['_TOOL']._serialized_start=514
+  _globals['_TOOL']._serialized_end=575
+  _globals['_TOOLCHOICE']._serialized_start=577
+  _globals['_TOOLCHOICE']._serialized_end=621
+  _globals['_TOOLCALL']._serialized_start=623
+  _globals['_TOOLCALL']._serialized_end=678
+  _globals['_USAGE']._serialized_start=681
+  _globals['_USAGE']._serialized_end=846
+  _globals['_TIMING']._serialized_start=849
+  _globals['_TIMING']._serialized_end=1040
+  _globals['_CHUNK']._serialized_start=1042
+  _globals['_CHUNK']._serialized_end=1160
+  _globals['_CHOICEEND']._serialized_start=1162
+  _globals['_CHOICEEND']._serialized_end=1276
+  _globals['_FINAL']._serialized_start=1279
+  _globals['_FINAL']._serialized_end=1427
+  _globals['_GENERATERESPONSE']._serialized_start=1429
+  _globals['_GENERATERESPONSE']._serialized_end=1519
+  _globals['_TOKENCOUNT']._serialized_start=1522
+  _globals['_TOKENCOUNT']._serialized_end=1693
+  _globals['_GENERATION']._serialized_start=1696
+  _globals['_GENERATION']._serialized_end=1833
 # @@protoc_insertion_point(module_scope)
