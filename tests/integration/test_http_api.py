@@ -1,6 +1,9 @@
 """The OpenAI-compatible HTTP API for real: the official `openai` client against router, encoder and worker
 processes and a real Redis, every answer checked against the gRPC API's answer to the same request.
 
+Tool calls (required, named, auto, none) parse into the client's objects, and 16 concurrent constrained, plain
+and image requests equal transformers' `generate` with xgrammar's processor.
+
 The worker's KV holds 512 blocks of 16 tokens, so one long request (7000 tokens) leaves too little for a
 second one (429), and a request of 8192 new tokens can never fit (400).
 """
@@ -8,10 +11,12 @@ second one (429), and a request of 8192 new tokens can never fit (400).
 from __future__ import annotations
 
 import base64
+import io
 import json
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,15 +26,22 @@ import grpc
 import httpx
 import openai
 import pytest
+import xgrammar as xgr
+from PIL import Image
+from transformers import AutoTokenizer
 
 from services.client import Client, user_request
+from services.common.grammar_cache import tokenizer_info
 from services.common.registry import Registry
 from services.common.rpc.epd.v1 import common_pb2, generation_pb2
 from services.launch.health import wait_healthy
 from services.launch.local import ClusterSpec, LocalCluster, free_port, spawn, start_cluster
+from services.models.base import ChatMessage, ChatPart
+from services.worker.engine.request import SamplingOptions
 from tests import loopback_http, media_factory
 from tests.integration.conftest import RedisServer
 from tests.kv_sampler import KVSampler
+from tests.structured_support import CONSTRAINTS, check_valid, oracle, set_structured
 
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 16 * 4  # K and V x layers x kv heads x head dim x block size x fp32 (tiny model)
 KV_BLOCKS = 512
@@ -556,3 +568,44 @@ def test_tool_calls_with_required_and_named_choices_parse_into_the_clients_objec
     assert none.usage.prompt_tokens == plain.usage.prompt_tokens < auto.usage.prompt_tokens
     error = error_body(api.post("/v1/chat/completions", {"messages": chat("hi"), "tool_choice": "required"}))
     assert "tool_choice required needs tools" in error["message"]
+
+
+def test_sixteen_concurrent_constrained_requests_equal_generate_with_xgrammar(api: Api) -> None:
+    """16 requests at once through the cluster (so they share batches): every kind of constraint, plain ones,
+    and images among both; each answer's tokens equal transformers' `generate` with xgrammar's processor for
+    the same constraint, and each that ended "stop" parses and validates."""
+    tokenizer = AutoTokenizer.from_pretrained(api.model_dir)
+    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer, len(tokenizer), eos), cache_enabled=False)
+    kinds = [*CONSTRAINTS, None, None]
+    cases = []
+    for i in range(16):
+        name = kinds[i % len(kinds)]
+        images = [media_factory.png(56 + 4 * i, 56, seed=700 + i)] if i % 3 == 0 else []
+        request = user_request(f"answer number {i} in the format asked", images, max_tokens=40, cache_salt="xg")
+        if name is not None:
+            set_structured(request.sampling, CONSTRAINTS[name])
+        cases.append((name, images, request))
+
+    def tokens(request: generation_pb2.GenerateRequest) -> tuple[list[int], str]:
+        ids, reason = [], ""
+        for response in api.grpc.stream(request):
+            if response.HasField("chunk"):
+                ids.extend(response.chunk.token_ids)
+            else:
+                reason = response.final.finish_reason
+        return ids, reason
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(tokens, [request for _, _, request in cases]))
+    stopped = 0
+    for (name, images, request), (ids, reason) in zip(cases, answers, strict=True):
+        parts = [ChatPart("image") for _ in images] + [ChatPart("text", request.messages[0].content[-1].text)]
+        decoded = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
+        opts = SamplingOptions(max_tokens=40, structured=CONSTRAINTS[name] if name else None)
+        expected = oracle(api.model_dir, [ChatMessage("user", parts)], decoded, opts, compiler, eos, name is not None)
+        assert ids == expected, (name, tokenizer.decode(ids), tokenizer.decode(expected))
+        if name is not None and reason == "stop":
+            stopped += 1
+            check_valid(name, CONSTRAINTS[name], tokenizer.decode(ids[:-1]))
+    assert stopped >= 8

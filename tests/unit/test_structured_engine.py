@@ -10,62 +10,23 @@ with it is refused at admission."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import pytest
 import xgrammar as xgr
-from transformers import LogitsProcessorList
-from xgrammar.contrib.hf import LogitsProcessor as XgrammarProcessor
 
-from services.common.grammar import Constraint, grammar_of
+from services.common.grammar import Constraint
 from services.common.grammar_cache import tokenizer_info
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import EngineRequest, SamplingOptions
 from tests.engine_support import Prompt, Result, build_prompt, image
-from tests.oracle import _generate
-from tests.oracle_processors import processors
+from tests.structured_support import CONSTRAINTS, check_valid, oracle
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 MAX_TOKENS = 48
-COLOR = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]}
-SCHEMAS: dict[str, dict[str, Any]] = {
-    "enum": COLOR,
-    "string": {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 8},
-            "n": {"type": "integer", "minimum": 0, "maximum": 99},
-        },
-        "required": ["name", "n"],
-    },
-    "array": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
-    "nested": {
-        "type": "object",
-        "properties": {
-            "a": {
-                "type": "object",
-                "properties": {"b": {"enum": [1, 2, 3]}, "c": {"type": "string", "maxLength": 4}},
-                "required": ["b", "c"],
-            }
-        },
-        "required": ["a"],
-    },
-}
-CHOICES = ["yes", "no", "maybe"]
-CONSTRAINTS: dict[str, Constraint] = {
-    **{name: Constraint("json_schema", json.dumps(schema)) for name, schema in SCHEMAS.items()},
-    "spaced": Constraint("json_schema", json.dumps(COLOR), any_whitespace=True),
-    "object": Constraint("json_object"),
-    "regex": Constraint("regex", r"[a-z]{2,6}-\d{3}"),
-    "choice": Constraint("choice", json.dumps(CHOICES)),
-    "grammar": Constraint("grammar", 'root ::= "(" [0-9] [0-9]? ("+" [0-9] [0-9]?)? ")"'),
-}
 
 
 def _engine(loaded: tuple[Any, Any]) -> Engine:
@@ -109,32 +70,6 @@ def compiler(loaded: tuple[Any, Any]) -> Any:
     return xgr.GrammarCompiler(tokenizer_info(adapter.tokenizer, vocab, adapter.eos_token_ids), cache_enabled=False)
 
 
-def _oracle(
-    model_dir: Path, prompt: Prompt, opts: SamplingOptions, compiler: Any, eos: list[int], constrained: bool = True
-) -> list[int]:
-    """``generate`` greedy over xgrammar's processor (its mask first, as the engine) then ``opts``' processors."""
-    masks = [XgrammarProcessor(compiler.compile_grammar(grammar_of(opts.structured)))] if constrained else []
-    stops = [] if opts.ignore_eos else list(eos)
-    kwargs = {"logits_processor": LogitsProcessorList([*masks, *processors(opts, eos)]), "eos_token_id": stops}
-    out, prompt_len = _generate(model_dir, prompt.messages, prompt.images, opts.max_tokens, **kwargs)
-    return out[0, prompt_len:].tolist()
-
-
-def _check_valid(name: str, constraint: Constraint, text: str) -> None:
-    if constraint.kind == "json_schema":
-        jsonschema.validate(json.loads(text), json.loads(constraint.text))
-        if not constraint.any_whitespace:
-            assert text == json.dumps(json.loads(text), ensure_ascii=False), f"{name}: not compact: {text!r}"
-    elif constraint.kind == "json_object":
-        assert isinstance(json.loads(text), dict)
-    elif constraint.kind == "regex":
-        assert re.fullmatch(constraint.text, text), text
-    elif constraint.kind == "choice":
-        assert text in CHOICES
-    else:
-        assert re.fullmatch(r"\(\d\d?(\+\d\d?)?\)", text), text
-
-
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
 def test_constrained_outputs_equal_generate_with_xgrammar_and_validate(
     loaded: tuple[Any, Any], tiny_model_dir: Path, prompts: list[Prompt], compiler: Any, seeded: bool
@@ -147,16 +82,18 @@ def test_constrained_outputs_equal_generate_with_xgrammar_and_validate(
     for i, prompt in enumerate(prompts):
         plain = prompt.request(f"plain{i}", base)
         requests.append((prompt, plain))
-        expected[plain.request_id] = _oracle(tiny_model_dir, prompt, base, compiler, eos, constrained=False)
+        expected[plain.request_id] = oracle(
+            tiny_model_dir, prompt.messages, prompt.images, base, compiler, eos, constrained=False
+        )
         for name, constraint in CONSTRAINTS.items():
             opts = dataclasses.replace(base, structured=constraint)
             requests.append((prompt, prompt.request(f"{name}{i}", opts)))
-            expected[f"{name}{i}"] = _oracle(tiny_model_dir, prompt, opts, compiler, eos)
+            expected[f"{name}{i}"] = oracle(tiny_model_dir, prompt.messages, prompt.images, opts, compiler, eos)
     two = dataclasses.replace(base, structured=CONSTRAINTS["nested"], n=2)
     requests.append((prompts[0], prompts[0].request("two", two)))
-    expected["two"] = _oracle(tiny_model_dir, prompts[0], two, compiler, eos)
+    expected["two"] = oracle(tiny_model_dir, prompts[0].messages, [], two, compiler, eos)
     second = dataclasses.replace(two, seed=None if two.seed is None else two.seed + 1)
-    expected["two/1"] = _oracle(tiny_model_dir, prompts[0], second, compiler, eos)
+    expected["two/1"] = oracle(tiny_model_dir, prompts[0].messages, [], second, compiler, eos)
     engine = _engine(loaded)
     results = _run(engine, requests)
     assert {rid: results[rid].tokens for rid in expected} == expected
@@ -167,7 +104,7 @@ def test_constrained_outputs_equal_generate_with_xgrammar_and_validate(
             if result.finish_reason == "stop":
                 stopped += 1
                 assert result.tokens[-1] in eos
-                _check_valid(name, constraint, adapter.tokenizer.decode(result.tokens[:-1]))
+                check_valid(name, constraint, adapter.tokenizer.decode(result.tokens[:-1]))
             else:
                 assert result.finish_reason == "length" and len(result.tokens) == MAX_TOKENS
     assert stopped >= len(CONSTRAINTS)  # the bounded ones finish on this model
