@@ -225,3 +225,72 @@ def test_api_doc_lists_every_refused_field() -> None:
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
     assert [name for name in REFUSED if f"`{name}`" not in doc] == []
+
+
+def _sampling(**fields: Any) -> common_pb2.SamplingParams:
+    return generate_request(
+        parse(ChatCompletionRequest, json.dumps({"messages": USER, **fields}).encode()), "r"
+    ).sampling
+
+
+def test_structured_output_fields_become_the_protos_oneof_and_errors_name_them() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    as_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    text = json.dumps(schema)
+    for fields, expected in [
+        ({"response_format": as_schema}, common_pb2.SamplingParams(json_schema=text)),
+        ({"response_format": {"type": "json_object"}}, common_pb2.SamplingParams(json_object=True)),
+        ({"response_format": {"type": "text"}}, common_pb2.SamplingParams()),
+        ({"structured_outputs": {"json": schema}}, common_pb2.SamplingParams(json_schema=text)),
+        (
+            {"structured_outputs": {"json": '{"type": "string"}'}},
+            common_pb2.SamplingParams(json_schema='{"type": "string"}'),
+        ),
+        ({"guided_json": schema}, common_pb2.SamplingParams(json_schema=text)),
+        ({"structured_outputs": {"regex": "a+"}}, common_pb2.SamplingParams(regex="a+")),
+        ({"guided_regex": "a+"}, common_pb2.SamplingParams(regex="a+")),
+        ({"guided_choice": ["a", "b"]}, common_pb2.SamplingParams(choice=common_pb2.Choices(choices=["a", "b"]))),
+        ({"guided_grammar": 'root ::= "a"'}, common_pb2.SamplingParams(grammar='root ::= "a"')),
+        (
+            {"structured_outputs": {"json_object": True, "disable_any_whitespace": False}},
+            common_pb2.SamplingParams(json_object=True, any_whitespace=True),
+        ),
+    ]:
+        got = _sampling(**fields)
+        structured = common_pb2.SamplingParams()
+        structured.CopyFrom(got)
+        for name in ("max_tokens", "temperature", "top_p", "n"):
+            structured.ClearField(name)
+        assert structured == expected, fields
+    assert refusal({"messages": USER, "guided_regex": "a", "response_format": {"type": "json_object"}}) == (
+        "guided_regex",
+        "one structured-output constraint per request, got response_format and guided_regex",
+    )
+    assert (
+        refusal({"messages": USER, "structured_outputs": {"structural_tag": "x"}})[0]
+        == "structured_outputs.structural_tag"
+    )
+    assert refusal({"messages": USER, "guided_whitespace_pattern": " "})[0] == "guided_whitespace_pattern"
+    body = parse(ChatCompletionRequest, json.dumps({"messages": USER, "response_format": as_schema}).encode())
+    error = from_request_error(invalid("sampling.json_schema does not compile: x"), body.field_names())
+    assert (error.param, error.message) == (
+        "response_format.json_schema.schema",
+        "response_format.json_schema.schema does not compile: x",
+    )
+
+
+def test_tools_become_the_requests_tools_and_are_refused_on_completions() -> None:
+    tool = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}
+    body = parse(
+        ChatCompletionRequest,
+        json.dumps(
+            {"messages": USER, "tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}}
+        ).encode(),
+    )
+    proto = generate_request(body, "r")
+    assert list(proto.tools) == [generation_pb2.Tool(name="f", description="d", parameters='{"type": "object"}')]
+    assert proto.tool_choice == generation_pb2.ToolChoice(mode="function", function="f")
+    assert body.offers_tools
+    none = parse(ChatCompletionRequest, json.dumps({"messages": USER, "tools": [tool], "tool_choice": "none"}).encode())
+    assert not none.offers_tools and generate_request(none, "r").tool_choice.mode == "none"
+    assert refusal({"prompt": "x", "tools": [tool]}, CompletionRequest)[0] == "tools"
