@@ -137,9 +137,11 @@ class Turn(ApiModel):
 
     name: str | None = None
 
+    refused: ClassVar[tuple[str, ...]] = ("tool_calls", "function_call", "tool_call_id")
+
     @model_validator(mode="after")
     def _check(self) -> Turn:
-        for field in ("tool_calls", "function_call", "tool_call_id"):
+        for field in self.refused:
             if (self.model_extra or {}).get(field) not in (None, []):
                 raise FieldError(field, f"{field} is not supported by this server yet")
         return self
@@ -155,12 +157,49 @@ class UserMessage(Turn):
     content: Content
 
 
+class CalledFunction(ApiModel):
+    name: str
+    arguments: str = Field(description="a JSON object, as text")
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value: str) -> str:
+        try:
+            parsed = json.loads(value)
+        except (ValueError, RecursionError):
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise ValueError("must be a JSON object (as text)")
+        return value
+
+
+class PastToolCall(ApiModel):
+    """A call the assistant made earlier in the conversation (as a response's `message.tool_calls` gave it)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class AssistantMessage(Turn):
+    refused: ClassVar[tuple[str, ...]] = ("function_call", "tool_call_id")
+
     role: Literal["assistant"]
     content: Content | None = Field(None, description="null or absent: an empty turn")
+    tool_calls: list[PastToolCall] | None = None
 
 
-Message = Annotated[SystemMessage | UserMessage | AssistantMessage, Field(discriminator="role")]
+class ToolMessage(Turn):
+    """A tool's result, answering the assistant's call `tool_call_id`."""
+
+    refused: ClassVar[tuple[str, ...]] = ("tool_calls", "function_call")
+
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str | None = None
+
+
+Message = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
 
 
 class StreamOptions(ApiModel):
@@ -514,10 +553,33 @@ def sampling_params(body: ChatCompletionRequest) -> common_pb2.SamplingParams:
 
 
 def generation_messages(messages: list[Message]) -> list[generation_pb2.Message]:
-    """The chat turns as gRPC messages."""
-    return [
-        generation_pb2.Message(role=ROLE_ALIASES.get(m.role, m.role), content=_content(m.content)) for m in messages
-    ]
+    """The chat turns as gRPC messages. Tool calls and results are written as Qwen2.5's chat template writes
+    them: an assistant turn's calls after its text, each `<tool_call>` JSON `</tool_call>`; consecutive tool
+    results as one user turn of `<tool_response>` blocks."""
+    out: list[generation_pb2.Message] = []
+    for i, m in enumerate(messages):
+        content = _content(m.content)
+        if isinstance(m, AssistantMessage) and m.tool_calls:
+            calls = "".join(_past_call(c) for c in m.tool_calls)
+            said = any(part.text for part in content)
+            content.append(generation_pb2.ContentPart(text=calls if said else calls.removeprefix("\n")))
+        if isinstance(m, ToolMessage):
+            results = [generation_pb2.ContentPart(text="<tool_response>\n"), *content]
+            results.append(generation_pb2.ContentPart(text="\n</tool_response>"))
+            if i > 0 and isinstance(messages[i - 1], ToolMessage):
+                out[-1].content.add(text="\n")
+                out[-1].content.extend(results)
+                continue
+            out.append(generation_pb2.Message(role="user", content=results))
+            continue
+        out.append(generation_pb2.Message(role=ROLE_ALIASES.get(m.role, m.role), content=content))
+    return out
+
+
+def _past_call(call: PastToolCall) -> str:
+    arguments = json.loads(call.function.arguments)  # a JSON object: checked when the body was read
+    body = json.dumps({"name": call.function.name, "arguments": arguments}, ensure_ascii=False)
+    return f"\n<tool_call>\n{body}\n</tool_call>"
 
 
 def generate_request(body: ChatCompletionRequest, request_id: str) -> generation_pb2.GenerateRequest:

@@ -529,7 +529,8 @@ TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": 
 def test_tool_calls_with_required_and_named_choices_parse_into_the_clients_objects(api: Api) -> None:
     """`tool_choice` "required" or a named function: exactly one call, held to its schema by a grammar, in
     `message.tool_calls` and streamed `delta.tool_calls`, finish_reason "tool_calls"; the gRPC Final carries
-    the same call; "auto" is served, and "none" leaves the tools out."""
+    the same call; "auto" is served, "none" leaves the tools out, and the call and its result go back into the
+    conversation (an agent's next turn)."""
     base = dict(model=api.model, messages=chat("What is the weather in Paris?"), max_tokens=96, temperature=0)
     named = {"type": "function", "function": {"name": "get_weather"}}
     for choice, names in [("required", {"get_weather", "get_time"}), (named, {"get_weather"})]:
@@ -568,6 +569,14 @@ def test_tool_calls_with_required_and_named_choices_parse_into_the_clients_objec
     assert none.usage.prompt_tokens == plain.usage.prompt_tokens < auto.usage.prompt_tokens
     error = error_body(api.post("/v1/chat/completions", {"messages": chat("hi"), "tool_choice": "required"}))
     assert "tool_choice required needs tools" in error["message"]
+    turns = [
+        *base["messages"],
+        made.message.model_dump(exclude_none=True),  # the assistant's call, as the client got it
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 22C"},
+    ]
+    after = api.openai.chat.completions.create(**base | {"messages": turns, "max_tokens": 8}, tools=[WEATHER_TOOL])
+    assert after.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert after.usage.prompt_tokens > auto.usage.prompt_tokens  # the call and its result are in the prompt
 
 
 def test_sixteen_concurrent_constrained_requests_equal_generate_with_xgrammar(api: Api) -> None:

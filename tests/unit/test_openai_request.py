@@ -97,12 +97,15 @@ def test_errors_name_the_field_as_the_body_sent_it() -> None:
         "messages[0].content[1].image_url.url",
         "messages[0].content[1].image_url.url: required",
     )
-    assert refusal({"messages": [{"role": "tool", "content": "x"}]})[0] == "messages[0].role"
+    assert refusal({"messages": [{"role": "function", "content": "x"}]})[0] == "messages[0].role"
     assert refusal({"messages": USER, "stop": 5}) == ("stop", "stop: expected a string or an array, got an integer")
     assert refusal({"messages": "hello"}) == ("messages", "messages: expected an array, got a string")
     assert refusal({"messages": []}) == ("messages", "messages: must have at least 1 item")
     calls = [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]
-    assert refusal({"messages": calls})[0] == "messages[0].tool_calls"
+    assert refusal({"messages": calls}) == (
+        "messages[0].tool_calls[0].function",
+        "messages[0].tool_calls[0].function: required",
+    )
     streamed = {"stream": True, "stream_options": {"continuous_usage_stats": "often"}}
     assert refusal({"messages": USER, **streamed})[0] == "stream_options.continuous_usage_stats"
     assert refusal(b"{not json") == (None, "the body is not valid JSON: key must be a string at line 1 column 2")
@@ -294,3 +297,32 @@ def test_tools_become_the_requests_tools_and_are_refused_on_completions() -> Non
     none = parse(ChatCompletionRequest, json.dumps({"messages": USER, "tools": [tool], "tool_choice": "none"}).encode())
     assert not none.offers_tools and generate_request(none, "r").tool_choice.mode == "none"
     assert refusal({"prompt": "x", "tools": [tool]}, CompletionRequest)[0] == "tools"
+
+
+def test_past_calls_and_tool_results_are_written_as_qwens_template_writes_them() -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "tool", "content": "22C"},
+        {"role": "assistant", "content": "Sunny, 22C.", "tool_calls": [call]},
+    ]
+    proto = generate_request(parse(ChatCompletionRequest, json.dumps({"messages": messages}).encode()), "r")
+    assert [(m.role, "".join(p.text for p in m.content)) for m in proto.messages] == [
+        ("user", "weather?"),
+        ("assistant", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
+        ("user", "<tool_response>\nsunny\n</tool_response>\n<tool_response>\n22C\n</tool_response>"),
+        (
+            "assistant",
+            'Sunny, 22C.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        ),
+    ]
+    bad = {**call, "function": {"name": "f", "arguments": "[1]"}}
+    assert refusal({"messages": [{"role": "assistant", "tool_calls": [bad]}]}) == (
+        "messages[0].tool_calls[0].function.arguments",
+        "messages[0].tool_calls[0].function.arguments: must be a JSON object (as text)",
+    )
+    assert (
+        refusal({"messages": [{"role": "tool", "content": "x", "tool_calls": [call]}]})[0] == "messages[0].tool_calls"
+    )
