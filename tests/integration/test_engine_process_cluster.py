@@ -61,6 +61,18 @@ def test_answers_equal_generate_with_the_tower_in_the_engine_process(
         client.close()
 
 
+def test_a_constrained_request_is_compiled_and_masked_in_the_engine_process(cluster: LocalCluster) -> None:
+    """The constraint crosses the pipe with the request; the child's engine compiles it and masks its steps."""
+    client = Client(cluster.address)
+    try:
+        request = user_request("Is it raining?", max_tokens=16)
+        request.sampling.choice.choices.extend(["yes, it is", "no, it is not"])
+        answer = client.generate(request)
+        assert answer.text in ("yes, it is", "no, it is not") and answer.final.finish_reason == "stop"
+    finally:
+        client.close()
+
+
 def test_the_worker_exits_when_its_engine_process_dies(cluster: LocalCluster) -> None:
     worker = cluster.workers[0].popen
     child = engine_child(worker.pid)
