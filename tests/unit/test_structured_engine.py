@@ -169,3 +169,20 @@ def test_a_constraint_that_does_not_compile_ends_error_and_is_then_refused(
     with pytest.raises(ValueError, match="Lookahead is not supported"):
         engine.admit(prompt.request("again", bad))
     assert not engine.requests and engine.scheduler.ledger.reserved_blocks == 0
+
+
+def test_min_tokens_holds_the_stop_back_only_while_the_grammar_could_go_on(
+    loaded: tuple[Any, Any], prompts: list[Prompt]
+) -> None:
+    """A choice complete before min_tokens ends there ("stop", its eos last: banning the stop would leave no
+    token at all); a regex that may go on makes at least min_tokens tokens."""
+    adapter, _ = loaded
+    prompt, eos = prompts[0], set(adapter.eos_token_ids)
+    short = SamplingOptions(max_tokens=12, min_tokens=6, structured=Constraint("choice", '["a"]'))
+    longer = SamplingOptions(max_tokens=12, min_tokens=6, structured=Constraint("regex", "a+"))
+    requests = [(prompt, prompt.request("short", short)), (prompt, prompt.request("long", longer))]
+    results = _run(_engine(loaded), requests)
+    assert results["short"].finish_reason == "stop" and results["short"].tokens[-1] in eos
+    assert adapter.tokenizer.decode(results["short"].tokens[:-1]) == "a"
+    made = results["long"]
+    assert len(made.tokens) >= 6 and set(adapter.tokenizer.decode([t for t in made.tokens if t not in eos])) == {"a"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from services.worker.engine.embeddings import EmbeddingPool, EmbeddingStats
 from services.worker.engine.itl_target import ItlTarget
 from services.worker.engine.logits_processors import check_token_ids
 from services.worker.engine.model_runner import ModelRunner
-from services.worker.engine.request import EngineRequest, KVState, StepOutput
+from services.worker.engine.request import EngineRequest, KVState, SamplingOptions, StepOutput
 from services.worker.engine.sampler import Sampler, reseed_for_position
 from services.worker.engine.scheduler import Scheduler, SchedulerOutput
 from services.worker.engine.sequence import Sequence, request_choices
@@ -175,6 +176,7 @@ class Engine:
             masks = self.structured.fill_bitmask([s.grammar for s in seqs])
             if masks is not None:
                 logits = apply_bitmask(logits, *masks, self.runner.io)
+                _stops_over_min_tokens(seqs, options, *masks, self.structured)
             sampled = self.sampler.sample_to_host(logits, options, generators, seqs, raw_logits=run.logits)
         timed = bool(seqs) or self.runner.device.type != "cuda"
         end = time.perf_counter()
@@ -336,6 +338,18 @@ class Engine:
                 raise ValueError(
                     f"request {seq.request_id!r}: {item.modality} item at {item.offset} covers other tokens"
                 )
+
+
+def _stops_over_min_tokens(
+    seqs: list[Sequence], options: list[SamplingOptions], rows: list[int], bitmask: Any, structured: Any
+) -> None:
+    """In ``options``, drop ``min_tokens`` for the rows whose grammar allows nothing but a stop this step: the
+    constraint ends the text (banning the stop would leave the row no token at all)."""
+    for i in rows:
+        opts, seq = options[i], seqs[i]
+        pending = opts.min_tokens and len(seq.token_ids) - seq.output_start < opts.min_tokens
+        if pending and structured.only_stop_allowed(bitmask, i):
+            options[i] = dataclasses.replace(opts, min_tokens=0)
 
 
 def _check_rows(item: MediaSpan, request_id: str, tensor: torch.Tensor) -> None:

@@ -17,6 +17,7 @@ import os
 import time
 from typing import Any
 
+import numpy
 import torch
 
 from services.common.grammar import Constraint
@@ -65,6 +66,11 @@ class GrammarState:
         return bool(self.matcher.accept_token(token))
 
     @property
+    def complete(self) -> bool:
+        """What it accepted is a whole sentence of the grammar (a stop token may follow)."""
+        return bool(self.matcher.is_completed())
+
+    @property
     def terminated(self) -> bool:
         """The grammar is complete and accepted a stop token: nothing more may follow."""
         return bool(self.matcher.is_terminated())
@@ -85,7 +91,7 @@ class StructuredOutputs:
     ) -> None:
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
-        ids = sorted(eos_token_ids)
+        ids = self.stop_ids = sorted(eos_token_ids)
         self.cache = GrammarCache(lambda: tokenizer_info(tokenizer, vocab_size, ids), max_entries, max_bytes)
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher: fills a step's rows in one call
 
@@ -111,6 +117,13 @@ class StructuredOutputs:
         matchers = [states[i].matcher for i in rows]  # type: ignore[union-attr]
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
         return rows, bitmask
+
+    def only_stop_allowed(self, bitmask: torch.Tensor, row: int) -> bool:
+        """True when ``bitmask``'s ``row`` allows no token but the stop tokens (the grammar is complete)."""
+        words = bitmask[row].numpy().view(numpy.uint32).copy()
+        for token in self.stop_ids:
+            words[token // 32] &= ~numpy.uint32(1 << (token % 32))
+        return not words.any()
 
     def close(self) -> None:
         self.cache.close()
