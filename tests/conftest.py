@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from services.launch import local
 from tests.redis_server import RedisServer
 
 # Tests never reach a model hub: every model folder is built locally.
@@ -15,6 +16,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The `triton` attention backend's kernel runs on the CPU in Triton's interpreter (read when Triton first
 # compiles a kernel's definition, so it is set before anything imports one; clusters inherit it).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Clusters the tests start fork their services from one process that imported torch and transformers once
+# (services/launch/forkserver.py): a cold `epd serve` spends ~3 CPU-seconds importing, per service, per start.
+local.set_start_method("forkserver")
 
 # Small image cap keeps vision forwards cheap; still several hundred tokens for large images.
 TINY_TEST_MAX_PIXELS = 256 * 28 * 28

@@ -5,6 +5,9 @@ router, each as `epd serve <role>` with EPD_* settings on the ports `plan_ports`
 until every gRPC health check says SERVING, reporting each service as it does. Invariant:
 `LocalCluster.stop()` terminates every process it started (SIGTERM, then SIGKILL after a grace
 period), Redis included when it started it; so does a failed or interrupted `start_cluster`.
+Each service is a fresh `python -m services.cli serve <role>` unless this process chose
+`set_start_method("forkserver")`: then it is forked from a process that already imported what a service
+imports (forkserver.py), when its environment allows.
 """
 
 from __future__ import annotations
@@ -19,13 +22,29 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import redis
 
 from services.common.tls import client_from_env
+from services.launch import forkserver
 from services.launch.health import check
 
 ROUTER_PORT, ENCODER_PORT, WORKER_PORT, METRICS_PORT, HTTP_PORT = 50051, 50061, 50071, 9400, 8000
+
+StartMethod = Literal["exec", "forkserver"]
+_start_method: StartMethod = "exec"
+_fork_env: dict[str, str] = {}  # the environment a fork server starts with: this process's at the choice
+
+
+def set_start_method(method: StartMethod) -> None:
+    """How `spawn` and `respawn` start services in this process from now on: "exec" (the default, `epd up`'s)
+    or "forkserver" (forkserver.py: about 3 CPU-seconds of imports fewer per service; a service whose
+    environment differs from this process's now, outside `EPD_*`/`OTEL_*`, is still exec'd)."""
+    global _start_method, _fork_env
+    if method not in ("exec", "forkserver"):
+        raise ValueError(f"start method must be 'exec' or 'forkserver', got {method!r}")
+    _start_method, _fork_env = method, dict(os.environ)
 
 
 def free_port() -> int:
@@ -94,7 +113,7 @@ class Process:
     role: str
     address: str
     metrics_port: int
-    popen: subprocess.Popen
+    popen: subprocess.Popen | forkserver.ForkedProcess
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)  # the EPD_* settings it was started with
 
@@ -176,7 +195,9 @@ def respawn(process: Process) -> None:
     process.popen = _popen(process.role, port, process.metrics_port, process.env, process.log_path)
 
 
-def _popen(role: str, port: int, metrics_port: int, env: dict[str, str], log_path: Path) -> subprocess.Popen:
+def _popen(
+    role: str, port: int, metrics_port: int, env: dict[str, str], log_path: Path
+) -> subprocess.Popen | forkserver.ForkedProcess:
     child_env = {
         **os.environ,
         **env,
@@ -185,6 +206,10 @@ def _popen(role: str, port: int, metrics_port: int, env: dict[str, str], log_pat
         "EPD_HOST": "127.0.0.1",
         "EPD_ADVERTISE_ADDR": f"127.0.0.1:{port}",
     }
+    if _start_method == "forkserver":
+        forked = forkserver.shared(_fork_env).spawn(["serve", role], child_env, log_path)
+        if forked is not None:
+            return forked
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "services.cli", "serve", role],
@@ -285,7 +310,7 @@ def _wait_ready(processes: list[Process], timeout_s: float, on_ready: Callable[[
             time.sleep(0.2)
 
 
-def _stop_popens(popens: list[subprocess.Popen], grace_s: float) -> None:
+def _stop_popens(popens: list[subprocess.Popen | forkserver.ForkedProcess], grace_s: float) -> None:
     """SIGTERM each running one, then SIGKILL what is left after `grace_s`."""
     for popen in popens:
         if popen.poll() is None:
