@@ -11,11 +11,10 @@ Invariants: a child runs what `python -m services.cli serve <role>` runs (`servi
 process group, with exactly the environment, working directory and log (stdout and stderr, appended) it was
 asked for, torch's generator as a fresh process has it and a multiprocessing authkey of its own. The
 preloaded modules read the environment the server started with, so a spawn whose environment differs from
-it in a variable other than those read only at run time (`EPD_*`, `OTEL_*`, `PYTEST_*`, `RUNTIME_NAMES`) is
-not forked (`spawn` returns None; the caller execs). A `ForkedProcess` answers like a `subprocess.Popen` of
-that command (`poll`, `wait`, signals; `returncode` minus the signal's number when killed); the server reaps
-it and reports its exit. The server exits when its launcher closes the connection or dies; its children
-then get SIGKILL.
+it in a variable other than those read only at run time (`EPD_*`, `OTEL_*`) is not forked (`spawn` returns
+None; the caller execs). A `ForkedProcess` answers like a `subprocess.Popen` of that command (`poll`, `wait`,
+signals; `returncode` minus the signal's number when killed); the server reaps it and reports its exit. The
+server exits when its launcher closes the connection or dies; its children then get SIGKILL.
 
 The server forks with no thread of its own running (numpy's OpenBLAS keeps one, which is fork-safe) and runs
 no torch op before forking, so each child starts torch's thread pools itself.
@@ -39,10 +38,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-# Variables that the preloaded modules never read at import: a spawn may set them to anything. torch sets
-# TORCHINDUCTOR_CACHE_DIR (to its default) in a launcher that compiled something.
-RUNTIME_PREFIXES = ("EPD_", "OTEL_", "PYTEST_")
-RUNTIME_NAMES = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
+RUNTIME_PREFIXES = ("EPD_", "OTEL_")
+"""Variables the preloaded modules never read at import: a spawn may set them to anything."""
 
 START_TIMEOUT_S = 300.0  # the server's imports, on a busy box
 _PR_SET_PDEATHSIG = 1
@@ -120,7 +117,7 @@ class ForkServer:
 
     def compatible(self, env: Mapping[str, str]) -> bool:
         """True when `env` agrees with the server's own environment outside the run-time variables."""
-        names = {n for n in {*env, *self.env} if not n.startswith(RUNTIME_PREFIXES) and n not in RUNTIME_NAMES}
+        names = {name for name in {*env, *self.env} if not name.startswith(RUNTIME_PREFIXES)}
         return all(env.get(name) == self.env.get(name) for name in names)
 
     def spawn(self, argv: list[str], env: Mapping[str, str], log_path: Path) -> ForkedProcess | None:

@@ -7,7 +7,7 @@ until every gRPC health check says SERVING, reporting each service as it does. I
 period), Redis included when it started it; so does a failed or interrupted `start_cluster`.
 Each service is a fresh `python -m services.cli serve <role>` unless this process chose
 `set_start_method("forkserver")`: then it is forked from a process that already imported what a service
-imports (forkserver.py), when its environment allows.
+imports (forkserver.py), when its settings allow.
 """
 
 from __future__ import annotations
@@ -34,13 +34,14 @@ ROUTER_PORT, ENCODER_PORT, WORKER_PORT, METRICS_PORT, HTTP_PORT = 50051, 50061, 
 
 StartMethod = Literal["exec", "forkserver"]
 _start_method: StartMethod = "exec"
-_fork_env: dict[str, str] = {}  # the environment a fork server starts with: this process's at the choice
+_fork_env: dict[str, str] = {}  # this process's environment when "forkserver" was chosen
 
 
 def set_start_method(method: StartMethod) -> None:
     """How `spawn` and `respawn` start services in this process from now on: "exec" (the default, `epd up`'s)
-    or "forkserver" (forkserver.py: about 3 CPU-seconds of imports fewer per service; a service whose
-    environment differs from this process's now, outside `EPD_*`/`OTEL_*`, is still exec'd)."""
+    or "forkserver" (forkserver.py: about 3 CPU-seconds of imports fewer per service). A forked service's
+    environment is this process's as it is now plus its own settings, whatever this process (or a library
+    in it: Ray, torch) sets later; one whose settings name a variable other than `EPD_*`/`OTEL_*` is exec'd."""
     global _start_method, _fork_env
     if method not in ("exec", "forkserver"):
         raise ValueError(f"start method must be 'exec' or 'forkserver', got {method!r}")
@@ -198,8 +199,7 @@ def respawn(process: Process) -> None:
 def _popen(
     role: str, port: int, metrics_port: int, env: dict[str, str], log_path: Path
 ) -> subprocess.Popen | forkserver.ForkedProcess:
-    child_env = {
-        **os.environ,
+    own = {
         **env,
         "EPD_PORT": str(port),
         "EPD_METRICS_PORT": str(metrics_port),
@@ -207,13 +207,13 @@ def _popen(
         "EPD_ADVERTISE_ADDR": f"127.0.0.1:{port}",
     }
     if _start_method == "forkserver":
-        forked = forkserver.shared(_fork_env).spawn(["serve", role], child_env, log_path)
+        forked = forkserver.shared(_fork_env).spawn(["serve", role], {**_fork_env, **own}, log_path)
         if forked is not None:
             return forked
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "services.cli", "serve", role],
-            env=child_env,
+            env={**os.environ, **own},
             stdout=log,
             stderr=subprocess.STDOUT,
             process_group=0,

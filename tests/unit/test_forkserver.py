@@ -1,7 +1,7 @@
 """services/launch/forkserver.py through `local.spawn` (the suite's start method): a forked `epd serve` takes
 the environment, working directory, log and process group it was given, answers like a `Popen` (wait,
-signals, exit codes), and a spawn whose environment the preloaded modules could have read differently is
-exec'd instead."""
+signals, exit codes) and keeps the launcher's environment of the moment the start method was chosen; a
+service whose settings the preloaded modules could have read at import is exec'd instead."""
 
 from __future__ import annotations
 
@@ -51,8 +51,20 @@ def test_a_forked_service_serves_in_its_own_group_and_answers_signals(
             process.popen.wait(60)
 
 
-def test_a_spawn_with_another_import_time_environment_is_execd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # read by huggingface_hub when it is imported
-    process = local.spawn("worker", local.free_port(), 0, {"EPD_MODEL": str(tmp_path / "none")}, tmp_path)
+def test_a_service_whose_settings_the_imports_may_have_read_is_execd(tmp_path: Path) -> None:
+    env = {"EPD_MODEL": str(tmp_path / "none"), "HF_HOME": str(tmp_path / "hf")}  # huggingface_hub reads HF_HOME
+    process = local.spawn("worker", local.free_port(), 0, env, tmp_path)  # when it is imported
     assert isinstance(process.popen, subprocess.Popen)
     assert process.popen.wait(120) == 2 and "does not exist" in process.log_tail()
+
+
+def test_what_the_launcher_sets_later_does_not_reach_a_forked_service(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Libraries in the launcher set variables (Ray, torch's compile cache): the forked services keep the
+    environment of the moment the start method was chosen, and are still forked."""
+    monkeypatch.setenv("EPD_MODEL", str(tmp_path / "set-later"))
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    process = local.spawn("worker", local.free_port(), 0, {}, tmp_path)
+    assert isinstance(process.popen, forkserver.ForkedProcess)
+    assert process.popen.wait(120) == 2 and "set-later" not in process.log_tail()
