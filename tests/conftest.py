@@ -23,6 +23,7 @@ local.set_start_method("forkserver")
 
 # Small image cap keeps vision forwards cheap; still several hundred tokens for large images.
 TINY_TEST_MAX_PIXELS = 256 * 28 * 28
+TINY_QWEN3_MAX_PIXELS = 256 * 32 * 32
 
 
 @pytest.fixture(scope="session")
@@ -39,6 +40,14 @@ def tiny_model_dir_25(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from services.models.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2.5-vl"), "qwen2.5-vl", max_pixels=TINY_TEST_MAX_PIXELS)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen3-VL folder (max_pixels 256*32*32: at most 256 tokens an image), built once per session."""
+    from services.models.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-vl"), "qwen3-vl", max_pixels=TINY_QWEN3_MAX_PIXELS)
 
 
 @pytest.fixture(scope="session")

@@ -147,6 +147,9 @@ class ModelAdapter(Protocol):
     eos_token_ids: list[int]
     max_context: int
     hidden_size: int
+    embedding_width: int
+    """Columns of one media item's embedding rows: `hidden_size`, more for a family that ships extra rows per token
+    with the embedding (Qwen3-VL's DeepStack levels, services/models/deepstack.py)."""
     vocab_size: int
     tokenizer: Any
     packed_vision_attention: bool
@@ -219,3 +222,13 @@ def placeholder_token_id(adapter: Any, modality: str) -> int:
     if modality != "image":
         raise ValueError(f"{adapter.model_type} takes no {modality} input")
     return int(adapter.image_token_id)
+
+
+def media_forward_kwargs(adapter: Any, placed: list[PlacedEmbedding], num_tokens: int) -> dict[str, Any]:
+    """What `forward_hidden` takes besides the input embeddings for a step of `num_tokens` rows whose media rows are
+    `placed` (as given to `embed_prompt`): the adapter's `media_forward_kwargs` (Qwen3-VL: the DeepStack levels of
+    those rows); {} for a family without one, or a step without media rows."""
+    method = getattr(adapter, "media_forward_kwargs", None)
+    if method is None or not placed:
+        return {}
+    return dict(method(placed, num_tokens))

@@ -37,6 +37,7 @@ class FolderAdapter:
         self.eos_token_ids: list[int] = eos
         self.max_context: int = int(config.text_config.max_position_embeddings)
         self.hidden_size: int = int(config.text_config.hidden_size)
+        self.embedding_width: int = self.hidden_size  # columns of an item's embedding (DeepStack families: more)
         self.vocab_size: int = int(config.text_config.vocab_size)  # the logits' width (lm_head's rows)
         self.special_tokens: list[str] = []
         if tokenizer is not None:

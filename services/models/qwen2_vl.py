@@ -178,7 +178,7 @@ class Qwen2VLAdapter(FolderAdapter, Qwen2VLVideoMixin):
         out = self.staged_tower(model, items)()
         for index, (item, rows) in enumerate(zip(items, out, strict=True)):
             expected = mrope.item_length(item.grid_thw, self.merge_size)
-            if rows.shape != (expected, self.hidden_size):
+            if rows.shape != (expected, self.embedding_width):
                 raise RuntimeError(f"item {index}: vision output {tuple(rows.shape)}, expected {expected} rows")
         return out
 

@@ -13,10 +13,12 @@ from services.models.base import ModelAdapter
 from services.models.llava import LlavaAdapter
 from services.models.loading import read_model_type
 from services.models.qwen2_vl import Qwen2VLAdapter
+from services.models.qwen3_vl import Qwen3VLAdapter
 
 ADAPTERS: dict[str, type[Qwen2VLAdapter] | type[LlavaAdapter]] = {
     "qwen2_vl": Qwen2VLAdapter,
     "qwen2_5_vl": Qwen2VLAdapter,
+    "qwen3_vl": Qwen3VLAdapter,
     "llava": LlavaAdapter,
 }
 

@@ -1,9 +1,10 @@
-"""Build a tiny random Qwen2-VL / Qwen2.5-VL / LLaVA-1.5 model folder offline and deterministically.
+"""Build a tiny random Qwen2-VL / Qwen2.5-VL / Qwen3-VL / LLaVA-1.5 model folder offline and deterministically.
 
 The folder has the same files as a real checkpoint (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json with the chat template, preprocessor_config.json, generation_config.json; LLaVA also
 processor_config.json) and loads with `AutoConfig`, `AutoTokenizer`, `AutoImageProcessor` and
-`AutoModelForImageTextToText`. The LLaVA parts live in `tiny_llava` and `tiny_llama_tokenizer`.
+`AutoModelForImageTextToText`. The LLaVA parts live in `tiny_llava` and `tiny_llama_tokenizer`, the Qwen3-VL
+ones in `tiny_qwen3_vl`.
 Invariants: the model's vocabulary equals `len(tokenizer)`; the same arguments give byte-identical
 files on every run (fixed corpus, seeded torch generator, sorted JSON).
 """
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.models import tiny_llava
+from services.models import tiny_llava, tiny_qwen3_vl
 from services.models.tiny_llama_tokenizer import save_llama_tokenizer
 from services.models.tiny_tokenizer import save_tokenizer
 from services.models.tiny_tokenizer_files import TinyTokenizerInfo
@@ -38,6 +39,7 @@ class _Family:
 _FAMILIES: dict[str, _Family] = {
     "qwen2-vl": _Family("qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "qwen2.5-vl": _Family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "qwen3-vl": _Family("qwen3_vl", "Qwen3VLForConditionalGeneration"),
     "llava": _Family("llava", "LlavaForConditionalGeneration"),
 }
 
@@ -47,10 +49,10 @@ TINY_FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
 def make_tiny_model(
     out_dir: Path, family: str, max_pixels: int | None = None, seed: int = 0, text_width: int = 64, text_layers: int = 2
 ) -> Path:
-    """Write a tiny random model folder for `family` ("qwen2-vl", "qwen2.5-vl" or "llava") into `out_dir`.
+    """Write a tiny random model folder for `family` ("qwen2-vl", "qwen2.5-vl", "qwen3-vl" or "llava") into `out_dir`.
 
-    `max_pixels` caps the Qwen image processor's resize (default 1280*28*28, as the released models; LLaVA's
-    processor always crops to 336x336, so it takes none);
+    `max_pixels` caps the Qwen image processor's resize (default 1280*28*28, as the released Qwen2-VL models;
+    Qwen3-VL's 16384*32*32; LLaVA's processor always crops to 336x336, so it takes none);
     `seed` selects the random weights. `text_width` (hidden size, a multiple of 64; the MLP is twice
     as wide and there are 4 query and 2 KV heads) and `text_layers` size the language model: the
     defaults make a step cost little more than Python's overhead; a wider, deeper one makes decoding
@@ -62,9 +64,11 @@ def make_tiny_model(
         raise ValueError(f"unknown tiny model family {family!r}; choose one of {', '.join(TINY_FAMILIES)}")
     if spec.model_type == "llava" and max_pixels is not None:
         raise ValueError("max_pixels applies to the Qwen2-VL families; LLaVA-1.5 always crops to 336x336")
-    cap = DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
-    if cap < DEFAULT_MIN_PIXELS:
-        raise ValueError(f"max_pixels must be at least {DEFAULT_MIN_PIXELS}, got {cap}")
+    qwen3 = spec.model_type == "qwen3_vl"
+    floor = tiny_qwen3_vl.MIN_PIXELS if qwen3 else DEFAULT_MIN_PIXELS
+    cap = (tiny_qwen3_vl.MAX_PIXELS if qwen3 else DEFAULT_MAX_PIXELS) if max_pixels is None else max_pixels
+    if cap < floor:
+        raise ValueError(f"max_pixels must be at least {floor}, got {cap}")
     if text_width <= 0 or text_width % 64 or text_layers <= 0:
         raise ValueError(
             f"text_width must be a positive multiple of 64 and text_layers positive, got {text_width} and {text_layers}"
@@ -78,6 +82,15 @@ def make_tiny_model(
         _write_json(out_dir / "generation_config.json", tiny_llava.llava_generation_config(info))
         _write_json(out_dir / "preprocessor_config.json", tiny_llava.llava_preprocessor_config())
         _write_json(out_dir / "processor_config.json", tiny_llava.llava_processor_config())
+        _write_weights(out_dir, config, seed)
+        return out_dir
+    if qwen3:
+        info = save_tokenizer(out_dir, _VOCAB_TARGET, _MAX_POSITIONS, tiny_qwen3_vl.QWEN3_VL_CHAT_TEMPLATE)
+        config = tiny_config(family, info, text_width, text_layers)
+        _write_json(out_dir / "config.json", config)
+        _write_json(out_dir / "generation_config.json", _generation_config(info))
+        _write_json(out_dir / "preprocessor_config.json", tiny_qwen3_vl.qwen3_vl_preprocessor_config(cap))
+        _write_json(out_dir / "video_preprocessor_config.json", tiny_qwen3_vl.qwen3_vl_video_preprocessor_config())
         _write_weights(out_dir, config, seed)
         return out_dir
     info = save_tokenizer(out_dir, _VOCAB_TARGET, _MAX_POSITIONS)
@@ -98,6 +111,8 @@ def tiny_config(family: str, info: TinyTokenizerInfo, width: int = 64, layers: i
         raise ValueError(f"unknown tiny model family {family!r}; choose one of {', '.join(TINY_FAMILIES)}")
     if spec.model_type == "llava":
         return tiny_llava.llava_config(info, text_sizes(info, width, layers), _INIT_RANGE)
+    if spec.model_type == "qwen3_vl":
+        return tiny_qwen3_vl.qwen3_vl_config(info, text_sizes(info, width, layers), _MAX_POSITIONS, _INIT_RANGE)
     ids = info.special_ids
     scale = width // 64  # head_dim is 16 x scale
     text = {

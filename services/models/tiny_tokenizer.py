@@ -89,8 +89,11 @@ def train_tokenizer(vocab_target: int) -> Tokenizer:
     return tokenizer
 
 
-def save_tokenizer(out_dir: Path, vocab_target: int, model_max_length: int) -> TinyTokenizerInfo:
-    """Write tokenizer.json and a Qwen2-style tokenizer_config.json (chat template included) to `out_dir`."""
+def save_tokenizer(
+    out_dir: Path, vocab_target: int, model_max_length: int, chat_template: str = QWEN2_VL_CHAT_TEMPLATE
+) -> TinyTokenizerInfo:
+    """Write tokenizer.json and a Qwen2-style tokenizer_config.json (with `chat_template`, Qwen2-VL's unless
+    given) to `out_dir`."""
     config = {
         "tokenizer_class": "Qwen2Tokenizer",
         "bos_token": None,
@@ -101,6 +104,6 @@ def save_tokenizer(out_dir: Path, vocab_target: int, model_max_length: int) -> T
         "clean_up_tokenization_spaces": False,
         "split_special_tokens": False,
         "model_max_length": model_max_length,
-        "chat_template": QWEN2_VL_CHAT_TEMPLATE,
+        "chat_template": chat_template,
     }
     return write_tokenizer_files(out_dir, train_tokenizer(vocab_target), SPECIAL_TOKENS, config)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from services.models.base import media_forward_kwargs
 from services.worker.engine.attention import (
     GRAPHED_BY_DEFAULT,
     VARLEN_BACKENDS,
@@ -164,9 +165,10 @@ class ModelRunner:
         n = step.num_tokens
         ctx = self.backend.context(step, packed, self.kv)
         embeds = self.adapter.embed_prompt(self.model, packed[:n], step.placed)
+        media = media_forward_kwargs(self.adapter, step.placed, n)  # DeepStack levels of the step's media rows
         position_ids = packed[2 * n : 5 * n].view(3, 1, n)
         hidden = self.adapter.forward_hidden(
-            self.model, embeds[None], position_ids, attention_mask=_NO_MASK, **{CONTEXT_KWARG: ctx}
+            self.model, embeds[None], position_ids, attention_mask=_NO_MASK, **media, **{CONTEXT_KWARG: ctx}
         )
         return hidden[0]
 
