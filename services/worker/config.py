@@ -39,3 +39,8 @@ class WorkerConfig(ServiceConfig, EngineConfig):
             raise ConfigError(str(exc)) from None
         for name in ("embedding_timeout_s", "heartbeat_interval_s"):
             require_positive(name, getattr(self, name))
+        if self.engine_process and self.tensor_parallel_size > 1:
+            raise ConfigError(
+                f"{env_name('engine_process')}=true cannot spawn tensor-parallel ranks "
+                f"({env_name('tensor_parallel_size')}={self.tensor_parallel_size}): its child is daemonic; use one"
+            )

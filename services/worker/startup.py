@@ -68,7 +68,9 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
         process = EngineProcess(config)  # the child loads the model and runs the vision tower too
         host, runner = process, process
     else:
-        model = info.adapter.load_model(device=config.device, dtype=dtype_of(config.dtype))
+        # tensor parallelism: loaded on the host, cut to rank 0's shard there, then moved (each rank loads its own)
+        device = config.device if config.tensor_parallel_size == 1 else "cpu"
+        model = info.adapter.load_model(device=device, dtype=dtype_of(config.dtype))
         engine = Engine(info.adapter, model, config.engine_config())
         host, runner = EngineLoop(engine, nice=config.compute_nice), VisionRunner(info.adapter, model)
     metrics = WorkerMetrics.create(telemetry.meter, lambda: host.kv_state, host.step_costs)
@@ -96,6 +98,7 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
             **dataclasses.asdict(snapshot.state),
             "capacity_blocks": servicer.capacity_blocks(),
             "enable_prefix_caching": config.enable_prefix_caching,  # the router counts blocks as this worker does
+            "tensor_parallel_size": config.tensor_parallel_size,  # devices behind this entry's blocks
             "snapshot_at": snapshot.at,
         }
 

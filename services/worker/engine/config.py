@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.worker.engine.tensor_parallel.plan import check_size
+
 DTYPES = ("float32", "bfloat16", "float16")
 _GRAPH_ALIASES = {"true": "auto", "false": "off"}
 ATTENTION_BACKENDS = ("auto", "cpu-kernel", "sdpa", "flash", "flash-reference", "triton")
@@ -51,6 +53,11 @@ class EngineConfig:
     ``"on"`` captures with ``flash-reference`` too (which pads rows to ``max_model_len``: for checks with a short
     one); ``"off"`` never; ``"eager"`` runs the same padded static-buffer path without capturing (what the CPU
     tests use to prove the machinery).
+
+    ``tensor_parallel_size`` > 1 shards the language model over that many rank processes, one per device
+    (``cuda`` is GPUs 0..n-1, ``cuda:k`` GPUs k..k+n-1; gloo on the CPU), rank 0 running this engine
+    (services/worker/engine/tensor_parallel/); ``kv_cache_bytes`` is then each rank's budget, and every rank
+    holds the block count the tightest one allows.
     """
 
     block_size: int = field(
@@ -92,6 +99,12 @@ class EngineConfig:
     attention_backend: str = field(
         default="auto",
         metadata={"help": "auto, cpu-kernel, sdpa, flash, flash-reference or triton (docs/engine.md)"},
+    )
+    tensor_parallel_size: int = field(
+        default=1, metadata={"help": "devices (rank processes) the language model is sharded over, 1-8"}
+    )
+    tensor_parallel_timeout_s: float = field(
+        default=60.0, metadata={"help": "longest a tensor-parallel collective or rank start-up may take"}
     )
 
     def __post_init__(self) -> None:
@@ -136,6 +149,12 @@ class EngineConfig:
                 f"{name('attention_backend')} must be one of {', '.join(ATTENTION_BACKENDS)}, "
                 f"got {self.attention_backend!r}"
             )
+        try:
+            check_size(self.tensor_parallel_size)
+        except ValueError as exc:
+            raise ValueError(f"{name('tensor_parallel_size')}: {exc}") from None
+        if not self.tensor_parallel_timeout_s > 0:
+            raise ValueError(f"{name('tensor_parallel_timeout_s')} must be positive")
         if self.dtype not in DTYPES:
             raise ValueError(f"{name('dtype')} must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 

@@ -19,13 +19,13 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.embeddings import EmbeddingPool, EmbeddingStats
 from services.worker.engine.itl_target import ItlTarget
 from services.worker.engine.logits_processors import check_token_ids
-from services.worker.engine.model_runner import ModelRunner
 from services.worker.engine.request import EngineRequest, KVState, SamplingOptions, StepOutput
 from services.worker.engine.sampler import Sampler, reseed_for_position
 from services.worker.engine.scheduler import Scheduler, SchedulerOutput
 from services.worker.engine.sequence import Sequence, request_choices
 from services.worker.engine.step_cost import StepCostModel, StepShape, StepTiming
 from services.worker.engine.structured import StructuredOutputs, apply_bitmask
+from services.worker.engine.tensor_parallel.start import make_runner
 
 log = logging.getLogger(__name__)
 GRAMMAR_POLL_S = 0.005
@@ -55,7 +55,7 @@ class Engine:
 
     def __init__(self, adapter: Any, model: torch.nn.Module, config: EngineConfig) -> None:
         self.adapter = adapter
-        self.runner = ModelRunner(adapter, model, config)
+        self.runner = make_runner(adapter, model, config)  # tensor parallelism: rank 0's, the ranks started
         self.config = config = self.runner.config  # automatic settings resolved (backend, block size, KV bytes)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.embeddings = EmbeddingPool(config.embedding_buffer_bytes, config.torch_dtype, self.runner.io)
@@ -69,7 +69,7 @@ class Engine:
         self.on_step: Callable[[StepTiming], None] | None = None
         self.eos_token_ids = frozenset(adapter.eos_token_ids)
         self.sampler = Sampler(config.seed, self.runner.io, self.eos_token_ids)
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]  # the logits' width
+        self.vocab_size = model.get_output_embeddings().out_features  # the logits' width (whole under TP)
         self.max_model_len = self.runner.max_model_len
         self.requests: dict[str, list[Sequence]] = {}
         self.structured = StructuredOutputs(

@@ -1,0 +1,142 @@
+"""Tensor parallelism on the CPU with gloo and real rank processes: a TP=2 engine's logits equal TP=1's within
+1e-4 over a prefill and 32 decode steps (Qwen2-VL, Qwen2.5-VL, LLaVA; a config whose heads, MLP and vocabulary
+split unevenly; one with fewer KV heads than ranks, replicated), its greedy output for 16 concurrent mixed
+text/image requests equals transformers' `generate` for each alone, and a size that cannot split a model is
+refused before any process starts."""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from services.models.registry import load_adapter
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine.request import SamplingOptions
+from tests.engine_support import Prompt, backend_config, build_prompt, drain, image, mixed_workload, run_workload
+from tests.tp_support import record_logits, tiny_variant
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def folders(
+    tiny_model_dir: Path, tiny_model_dir_25: Path, tiny_llava_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tp-variants")
+    return {
+        "qwen2-vl": tiny_model_dir,
+        "qwen2.5-vl": tiny_model_dir_25,
+        "llava": tiny_llava_dir,
+        # 6 query heads over 3 KV heads split 4+2 / 2+1, an MLP of 129 columns, 563 vocabulary rows
+        "uneven": tiny_variant(
+            tiny_model_dir,
+            root / "uneven",
+            hidden_size=96,
+            num_attention_heads=6,
+            num_key_value_heads=3,
+            intermediate_size=129,
+            vocab_size=563,
+        ),  # fmt: skip
+        # one KV head, on both ranks; each rank 2 of its 4 query heads
+        "replicated": tiny_variant(tiny_model_dir, root / "replicated", num_key_value_heads=1),
+    }
+
+
+def _engine(folder: Path, config: EngineConfig) -> Iterator[Engine]:
+    adapter = load_adapter(folder)
+    engine = Engine(adapter, adapter.load_model(), config)  # a fresh model: TP cuts it to rank 0's shard
+    try:
+        yield engine
+    finally:
+        close = getattr(engine.runner, "close", None)
+        if close is not None:
+            close()
+
+
+@pytest.mark.parametrize("name", ["qwen2-vl", "qwen2.5-vl", "llava", "uneven", "replicated"])
+def test_tp2_logits_equal_tp1_over_a_prefill_and_32_decodes(folders: dict[str, Path], name: str) -> None:
+    folder = folders[name]
+    adapter = load_adapter(folder)
+    whole = adapter.load_model()
+    prompts = [
+        build_prompt(adapter, whole, ["describe the picture", image(56, 84, 7), "in a few words"]),
+        build_prompt(adapter, whole, ["count the letters of the alphabet, one by one"]),
+    ]
+    logits: dict[int, list[torch.Tensor]] = {}
+    tokens: dict[int, dict[str, Any]] = {}
+    for size in (1, 2):
+        config = EngineConfig(kv_cache_bytes=8 << 20, max_num_batched_tokens=2048, tensor_parallel_size=size)
+        for engine in _engine(folder, config):
+            assert engine.vocab_size == whole.get_output_embeddings().out_features
+            logits[size] = record_logits(engine)
+            for i, prompt in enumerate(prompts):
+                for mm_hash, tensor in prompt.embeddings.items():
+                    engine.provide_embedding(mm_hash, tensor)
+                engine.add_request(prompt.request(f"r{i}", SamplingOptions(max_tokens=33, ignore_eos=True)))
+            tokens[size] = {}
+            drain(engine, tokens[size])
+            if size == 2:
+                ranks = engine.runner.ranks.processes
+                assert len(ranks) == 1 and ranks[0].is_alive()
+        if size == 2:
+            assert not ranks[0].is_alive()  # closed with its engine
+    assert len(logits[1]) == len(logits[2]) == 33  # one prefill step, then 32 decode steps of both requests
+    for step, (one, two) in enumerate(zip(logits[1], logits[2], strict=True)):
+        assert one.shape == two.shape == (2, whole.get_output_embeddings().out_features)
+        assert (one - two).abs().max().item() < 1e-4, f"step {step}"
+    assert {k: r.tokens for k, r in tokens[1].items()} == {k: r.tokens for k, r in tokens[2].items()}
+
+
+def test_tp2_kv_blocks_hold_half_the_heads(folders: dict[str, Path]) -> None:
+    """Each rank holds its KV heads only: at the same per-rank budget TP=2 has twice TP=1's blocks (2 of 4 KV
+    heads each), and with one KV head replicated the same count."""
+    counts = {}
+    for name, size in (("qwen2-vl", 1), ("qwen2-vl", 2), ("replicated", 1), ("replicated", 2)):
+        config = EngineConfig(kv_cache_bytes=4 << 20, tensor_parallel_size=size)
+        for engine in _engine(folders[name], config):
+            counts[name, size] = engine.kv_state().total_blocks
+    assert counts["qwen2-vl", 2] == 2 * counts["qwen2-vl", 1]
+    assert counts["replicated", 2] == counts["replicated", 1]
+
+
+def test_a_size_that_cannot_split_the_model_is_refused_before_any_rank_starts(tiny_model_dir: Path) -> None:
+    adapter = load_adapter(tiny_model_dir)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide over the model's 2 KV heads"):
+        Engine(adapter, adapter.load_model(), EngineConfig(tensor_parallel_size=3))
+    assert not multiprocessing.active_children()
+
+
+@pytest.fixture(scope="module")
+def workloads(folders: dict[str, Path]) -> dict[str, list[tuple[Prompt, int, list[int]]]]:
+    out = {}
+    for name in ("qwen2-vl", "qwen2.5-vl", "llava", "replicated"):
+        adapter = load_adapter(folders[name])
+        out[name] = mixed_workload(adapter, adapter.load_model(), folders[name])
+    return out
+
+
+CASES = [("qwen2-vl", budget, caching) for budget in (16, 512) for caching in (True, False)]
+CASES += [("qwen2.5-vl", 16, True), ("qwen2.5-vl", 512, False), ("llava", 16, False), ("llava", 512, True)]
+CASES += [("replicated", 16, True)]
+
+
+@pytest.mark.parametrize(
+    ("name", "budget", "caching"), CASES, ids=[f"{n}-{b}-{'cache' if c else 'nocache'}" for n, b, c in CASES]
+)
+def test_tp2_concurrent_greedy_equals_generate(
+    folders: dict[str, Path], workloads: dict[str, Any], name: str, budget: int, caching: bool
+) -> None:
+    """16 concurrent requests, text and one to three images, arrivals and embeddings staggered (the exactness
+    tests' workload), through a TP=2 engine with the CPU decode kernel."""
+    config = backend_config("kernel", budget, caching)
+    config.tensor_parallel_size = 2
+    for engine in _engine(folders[name], config):
+        results = run_workload(engine, workloads[name])
+        if caching:
+            assert any(r.cached_tokens > 0 for r in results.values())
