@@ -65,7 +65,7 @@ def measure_profile(model_dir: Path, options: ProfileOptions | None = None, log:
         torch.set_num_threads(before)
     curves = _engine_curves(points)
     with running_cluster(Path(model_dir), options) as cluster:
-        points["transfer"] = measure_transfers(cluster, adapter.hidden_size, options, log)
+        points["transfer"] = measure_transfers(cluster, adapter.embedding_width, options, log)
         transfer = points["transfer"]
         transports = {
             name: fit([p for p in transfer if p["transport"] == name], "seconds", prof.TRANSPORT_TERMS, relative=True)

@@ -178,7 +178,7 @@ def measure_serving(
                 usage = answer.final.usage
                 sizes = [adapter.image_tokens(w, h).num_tokens for w, h in probe.images]
                 predicted = parts_seconds(
-                    partial, usage.prompt_tokens, usage.completion_tokens, probe.images, sizes, adapter.hidden_size
+                    partial, usage.prompt_tokens, usage.completion_tokens, probe.images, sizes, adapter.embedding_width
                 )
                 points.append(
                     {

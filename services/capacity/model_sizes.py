@@ -6,7 +6,9 @@ Every number comes from the adapter or the config: tokens from `adapter.image_to
 pixel limits) and, when the adapter has it, `adapter.image_tokens_uncapped` (the same rule with no max_pixels);
 video tokens from `adapter.video_tokens` (the saved video processor's frame sampling and pixel limits);
 KV bytes per token = 2 (K and V) x layers x KV heads x head dim x dtype bytes (`KVShape.block_bytes` of a
-1-token block); embedding bytes = image tokens x hidden size x dtype bytes.
+1-token block); embedding bytes = image tokens x embedding width x dtype bytes, the width being the hidden size, or
+for a family that ships DeepStack levels with each row (Qwen3-VL) the hidden size x (1 + levels): what travels,
+what the caches and the worker hold.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ DEFAULT_DTYPE = "bfloat16"
 class ImageSize:
     """One image of a given source size as the model sees it.
 
-    Invariants: `embedding_bytes == tokens * hidden * dtype bytes`, `kv_bytes == tokens * kv_bytes_per_token`,
+    Invariants: `embedding_bytes == tokens * embedding width * dtype bytes`, `kv_bytes == tokens * kv_bytes_per_token`,
     and the same for the `_uncapped` figures, which are None when the adapter has no uncapped rule.
     """
 
@@ -47,8 +49,9 @@ class VideoSize:
     """One video of a given frame size, length and rate as the model sees it (its own frame sampling).
 
     Invariants: `frames` are the frames sampled from `seconds x fps` (at least 1); `embedding_bytes == tokens *
-    hidden * dtype bytes`, `kv_bytes == tokens * kv_bytes_per_token`; `temporal_groups` is the tower's number of
-    temporal patches (it attends within each, so its cost is that many towers over `tokens / temporal_groups`).
+    embedding width * dtype bytes`, `kv_bytes == tokens * kv_bytes_per_token`; `temporal_groups` is the tower's
+    number of temporal patches (it attends within each, so its cost is that many towers over `tokens /
+    temporal_groups`).
     """
 
     width: int
@@ -73,6 +76,7 @@ class ModelSizes:
     dtype: str
     dtype_bytes: int
     hidden_size: int
+    embedding_width: int
     num_layers: int
     kv_heads: int
     head_dim: int
@@ -88,8 +92,8 @@ class ModelSizes:
 
     @property
     def embedding_bytes_per_token(self) -> int:
-        """hidden x dtype bytes: one row of a projected image embedding."""
-        return self.hidden_size * self.dtype_bytes
+        """embedding width x dtype bytes: one row of a projected image embedding, DeepStack levels included."""
+        return self.embedding_width * self.dtype_bytes
 
     def image(self, width: int, height: int) -> ImageSize:
         """Tokens, resized size and bytes of one width x height image (the adapter's resize rule)."""
@@ -168,6 +172,7 @@ def load_sizes(model_dir: Path, dtype: str | None = None) -> ModelSizes:
         dtype=name,
         dtype_bytes=DTYPES[name].itemsize,
         hidden_size=int(adapter.hidden_size),
+        embedding_width=int(adapter.embedding_width),
         num_layers=shape.num_layers,
         kv_heads=shape.kv_heads,
         head_dim=shape.head_dim,

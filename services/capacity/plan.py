@@ -93,6 +93,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "kv_heads": s.kv_heads,
             "head_dim": s.head_dim,
             "hidden_size": s.hidden_size,
+            "embedding_width": s.embedding_width,
         },
         "kv_bytes_per_token": s.kv_bytes_per_token,
         "embedding_bytes_per_token": s.embedding_bytes_per_token,

@@ -7,6 +7,12 @@ from typing import Any
 from services.capacity.plan import MIB
 
 
+def _width(model: dict[str, Any]) -> str:
+    """How the embedding row is wider than the hidden size (DeepStack levels travel with it), or nothing."""
+    width, hidden = model.get("embedding_width", model["hidden_size"]), model["hidden_size"]
+    return "" if width == hidden else f" ({width // hidden} x hidden: main + {width // hidden - 1} DeepStack levels)"
+
+
 def plan_table(report: dict[str, Any]) -> str:
     """The JSON report as text for a terminal."""
     m = report["model"]
@@ -14,7 +20,7 @@ def plan_table(report: dict[str, Any]) -> str:
         f"model {m['model_type']} ({m['dir']}), {m['dtype']}: {m['layers']} layers x {m['kv_heads']} KV heads x "
         f"head dim {m['head_dim']}, hidden {m['hidden_size']}",
         f"KV per token {report['kv_bytes_per_token']:,} B; embedding per image token "
-        f"{report['embedding_bytes_per_token']:,} B",
+        f"{report['embedding_bytes_per_token']:,} B{_width(m)}",
         "images:",
     ]
     seen = set()

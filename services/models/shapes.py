@@ -6,7 +6,11 @@ MLP ratio 4, 14-pixel patches, 2x2 merge, 2-frame temporal patches, merger out 3
 download; `text_layers` trims the language model when only the tower matters, and keyword overrides shrink
 any size (tests). `random_model` builds the model from a config directly on a device with random weights,
 and `random_pixel_inputs` makes pixel inputs of given patch grids, so a GPU benchmark can time
-`Qwen2VLAdapter.encode` (or `qwen2_vl_vision.run_vision_tower`) at the real shape.
+`Qwen2VLAdapter.encode` (or `qwen2_vl_vision.run_vision_tower`) at the real shape. `qwen3_vl_8b_config` is
+Qwen3-VL-8B-Instruct's (vision: depth 27, width 1152, 16 heads, MLP 4304, 16-pixel patches, 2x2 merge, a 48 x 48
+learned position grid, DeepStack after blocks 8, 16 and 24, merger out 4096; language model: hidden 4096, 36
+layers, 32 heads, 8 KV heads of 128, MLP 12288, vocabulary 151936, 262144 positions, interleaved M-RoPE sections
+[24, 20, 20]), for planning without a download.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import copy
 from typing import Any
 
 import torch
-from transformers import Qwen2VLConfig
+from transformers import Qwen2VLConfig, Qwen3VLConfig
 
 from services.models.base import PixelInputs
 
@@ -76,6 +80,55 @@ def qwen2_vl_7b_config(
     text_fields["rope_parameters"] = dict(text_fields["rope_parameters"])
     return Qwen2VLConfig(
         vision_config={**QWEN2_VL_7B_VISION, **(vision or {})},
+        text_config=text_fields,
+        tie_word_embeddings=False,
+        **QWEN2_VL_7B_TOKENS,
+    )
+
+
+QWEN3_VL_8B_VISION: dict[str, Any] = {
+    "depth": 27,
+    "hidden_size": 1152,
+    "intermediate_size": 4304,
+    "num_heads": 16,
+    "in_channels": 3,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "out_hidden_size": 4096,
+    "num_position_embeddings": 2304,
+    "deepstack_visual_indexes": [8, 16, 24],
+    "hidden_act": "gelu_pytorch_tanh",
+}
+QWEN3_VL_8B_TEXT: dict[str, Any] = {
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-6,
+    "attention_bias": False,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 5000000.0,
+        "mrope_section": [24, 20, 20],
+        "mrope_interleaved": True,
+    },
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+
+
+def qwen3_vl_8b_config(*, vision: dict[str, Any] | None = None, text: dict[str, Any] | None = None) -> Qwen3VLConfig:
+    """Qwen3-VL-8B-Instruct's config (see the module docstring); ``vision`` / ``text`` override sub-config fields."""
+    text_fields = {**QWEN3_VL_8B_TEXT, **(text or {})}
+    text_fields["rope_parameters"] = dict(text_fields["rope_parameters"])
+    return Qwen3VLConfig(
+        vision_config={**QWEN3_VL_8B_VISION, **(vision or {})},
         text_config=text_fields,
         tie_word_embeddings=False,
         **QWEN2_VL_7B_TOKENS,

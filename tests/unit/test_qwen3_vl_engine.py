@@ -19,7 +19,8 @@ import torch
 from services.models.registry import load_adapter
 from services.worker.engine.attention.backend import ATTENTION_NAME
 from services.worker.engine.engine import Engine
-from tests.engine_support import BACKENDS, Prompt, backend_config, mixed_workload, run_workload
+from services.worker.engine.request import SamplingOptions
+from tests.engine_support import BACKENDS, Prompt, Result, backend_config, drain, mixed_workload, run_workload
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +63,26 @@ def test_concurrent_greedy_equals_generate(
         assert engine.runner.graphs.steps > 0  # decode-only steps went through the padded graph path
     if caching and block_size == 16:  # requests 3 and 4 share an image prefix: served from the prefix cache
         assert any(r.cached_tokens > 0 for r in results.values())
+
+
+def test_an_embedding_without_the_levels_is_refused(
+    qwen3_loaded: tuple[Any, Any], workload: list[tuple[Prompt, int, list[int]]]
+) -> None:
+    """A `[n, hidden]` embedding (a Qwen2-VL-shaped entry of the same hidden size) is never taken for a Qwen3-VL
+    item: refused when it arrives, and when a request for it comes after it; the request then runs on the right
+    one and still equals `generate`."""
+    adapter, model = qwen3_loaded
+    prompt, max_tokens, expected = next(w for w in workload if len(w[0].media) == 1)
+    ((mm_hash, rows),) = prompt.embeddings.items()
+    engine = Engine(adapter, model, backend_config("sdpa", 64, True))
+    engine.add_request(prompt.request("r", SamplingOptions(max_tokens=max_tokens)))
+    with pytest.raises(ValueError, match=f"rows of {3 * adapter.hidden_size}"):
+        engine.provide_embedding(mm_hash, rows[:, : adapter.hidden_size].clone())
+    engine.provide_embedding(mm_hash, rows)
+    results: dict[str, Result] = {}
+    drain(engine, results)
+    assert results["r"].tokens == expected
+    later = Engine(adapter, model, backend_config("sdpa", 64, True))
+    later.embeddings.provide(mm_hash, rows[:, : adapter.hidden_size].clone())  # held before any request needs it
+    with pytest.raises(ValueError, match="rows of"):
+        later.add_request(prompt.request("s", SamplingOptions(max_tokens=max_tokens)))
