@@ -115,7 +115,7 @@ class Engine:
         for seq in self._sequences():
             for item in seq.media:
                 if item.mm_hash == mm_hash:
-                    _check_rows(item, seq.request_id, tensor)
+                    _check_rows(item, seq.request_id, tensor, self.adapter.embedding_width)
         self.embeddings.provide(mm_hash, tensor)
         self._stalled = False
 
@@ -281,7 +281,7 @@ class Engine:
         for item in first.media:
             known = self.embeddings.peek(item.mm_hash)
             if known is not None:
-                _check_rows(item, first.request_id, known)
+                _check_rows(item, first.request_id, known, self.adapter.embedding_width)
         constraint = sampling.structured
         for seq in choices:
             seq.positions = first.positions  # read-only: every choice has the same prompt and lengths
@@ -352,9 +352,11 @@ def _stops_over_min_tokens(
             options[i] = dataclasses.replace(opts, min_tokens=0)
 
 
-def _check_rows(item: MediaSpan, request_id: str, tensor: torch.Tensor) -> None:
-    if tensor.dim() != 2 or tensor.shape[0] != item.num_tokens:
+def _check_rows(item: MediaSpan, request_id: str, tensor: torch.Tensor, width: int) -> None:
+    """An item's embedding must be its rows at the adapter's `embedding_width` (a tensor of another layout, say
+    one without DeepStack levels, is refused here rather than failing a step)."""
+    if tensor.dim() != 2 or tuple(tensor.shape) != (item.num_tokens, width):
         raise ValueError(
             f"embedding {item.mm_hash[:16]} has shape {tuple(tensor.shape)}, request {request_id!r} "
-            f"expects {item.num_tokens} rows"
+            f"expects {item.num_tokens} rows of {width}"
         )
