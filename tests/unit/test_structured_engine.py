@@ -14,13 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import xgrammar as xgr
 
-from services.common.grammar import Constraint
+from services.common.grammar import Constraint, grammar_of
 from services.common.grammar_cache import tokenizer_info
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
+from services.worker.engine.host_device import HostDevice
 from services.worker.engine.request import EngineRequest, SamplingOptions
+from services.worker.engine.structured import REFUSED, STOPPED, StepMask, StructuredOutputs
 from tests.engine_support import Prompt, Result, build_prompt, image
 from tests.structured_support import CONSTRAINTS, check_valid, oracle
 
@@ -186,3 +189,51 @@ def test_min_tokens_holds_the_stop_back_only_while_the_grammar_could_go_on(
     assert adapter.tokenizer.decode(results["short"].tokens[:-1]) == "a"
     made = results["long"]
     assert len(made.tokens) >= 6 and set(adapter.tokenizer.decode([t for t in made.tokens if t not in eos])) == {"a"}
+
+
+def test_a_step_mask_in_any_row_order_masks_as_xgrammar_and_its_verdicts_follow_the_matchers(
+    loaded: tuple[Any, Any], compiler: Any
+) -> None:
+    """The CPU's additive bias and xgrammar's kernel (the other devices' path) give the same masked logits, bit
+    for bit, whatever rows are constrained and in whatever order the prefetched fill laid them out; a token's
+    verdict is what a fresh matcher fed the same tokens says, and the grammar thread's accepts land before the
+    next fill."""
+    adapter, model = loaded
+    vocab = model.get_output_embeddings().out_features
+    structured = StructuredOutputs(adapter.tokenizer, vocab, frozenset(adapter.eos_token_ids), 8, 1 << 30, 10.0,
+                                   torch.device("cpu"))  # fmt: skip
+    kinds = ["nested", "regex", "choice", "string"]
+    states = [structured.state(CONSTRAINTS[name]) for name in kinds]
+    for state in states:
+        while not state.ready:
+            assert state.start([]) is None
+    references = [xgr.GrammarMatcher(compiler.compile_grammar(grammar_of(CONSTRAINTS[name]))) for name in kinds]
+    io = HostDevice(torch.device("cpu"))
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(0))
+    step = [None, states[2], states[0], None, states[3], states[1]]  # rows 1, 2, 4, 5 constrained
+    orders = [[states[0], states[1], states[2], states[3]], [states[2], states[0], states[3], states[1]]]
+    seen = set()
+    for turn in range(6):
+        structured.prefetch(orders[turn % 2])  # the first order differs from the step's: rows mapped
+        mask = structured.step_mask(step)
+        assert mask is not None and mask.rows == [i for i, state in enumerate(step) if state is not None]
+        by_bias = mask.apply(logits, io)
+        kernel = StepMask(mask.rows, mask.states, mask.source, mask.bitmask, None, mask.stop_ids)
+        assert torch.equal(by_bias, kernel.apply(logits, io))
+        assert torch.equal(by_bias[[0, 3]], logits[[0, 3]])
+        tokens = by_bias.argmax(dim=-1).tolist()
+        if turn == 1:  # a token the grammar of the last row does not allow now: refused
+            tokens[mask.rows[-1]] = next(t for t in range(vocab) if not mask.allows(len(mask.rows) - 1, t))
+        verdicts = structured.accept(mask, tokens)
+        for row, state in zip(mask.rows, mask.states, strict=True):
+            reference = references[states.index(state)]
+            allowed = reference.accept_token(tokens[row]) if not reference.is_terminated() else False
+            stopped = allowed and reference.is_terminated()
+            assert verdicts.get(row) == (STOPPED if stopped else None if allowed else REFUSED), (turn, row)
+            seen.add(verdicts.get(row))
+        step = [s if s is None or verdicts.get(i) is None else None for i, s in enumerate(step)]
+        orders = [[s for s in order if s in step] for order in orders]
+        if not any(step):
+            break
+    assert REFUSED in seen and None in seen
+    structured.close()

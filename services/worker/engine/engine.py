@@ -24,7 +24,7 @@ from services.worker.engine.sampler import Sampler, reseed_for_position
 from services.worker.engine.scheduler import Scheduler, SchedulerOutput
 from services.worker.engine.sequence import Sequence, request_choices
 from services.worker.engine.step_cost import StepCostModel, StepShape, StepTiming
-from services.worker.engine.structured import StructuredOutputs, apply_bitmask
+from services.worker.engine.structured import REFUSED, STOPPED, StepMask, StructuredOutputs
 from services.worker.engine.tensor_parallel.start import make_runner
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ class Engine:
             config.grammar_cache_entries,
             config.grammar_cache_bytes,
             config.grammar_compile_timeout_s,
+            self.runner.device,
         )
         self.awaiting_grammar: list[Sequence] = []
         self._stalled = False  # the last step scheduled nothing and nothing has changed since
@@ -166,17 +167,18 @@ class Engine:
             else:
                 self._stalled = True
             return failed
+        self.structured.prefetch([c.seq.grammar for c in scheduled.chunks if c.samples and c.seq.grammar is not None])
         run = self.runner.run(scheduled.chunks, self.embeddings)
         seqs = [c.seq for c in run.sampled]
-        sampled = []
+        sampled, mask = [], None
         if seqs:  # the step's one device-to-host copy: token ids and any logprobs together
             options = [s.sampling for s in seqs]
             generators = [reseed_for_position(s.generator, s.sampling.seed, s.num_tokens) for s in seqs]
             logits = run.logits
-            masks = self.structured.fill_bitmask([s.grammar for s in seqs])
-            if masks is not None:
-                logits = apply_bitmask(logits, *masks, self.runner.io)
-                _stops_over_min_tokens(seqs, options, *masks, self.structured)
+            mask = self.structured.step_mask([s.grammar for s in seqs])
+            if mask is not None:
+                logits = mask.apply(logits, self.runner.io)
+                _stops_over_min_tokens(seqs, options, mask)
             sampled = self.sampler.sample_to_host(logits, options, generators, seqs, raw_logits=run.logits)
         timed = bool(seqs) or self.runner.device.type != "cuda"
         end = time.perf_counter()
@@ -184,15 +186,17 @@ class Engine:
             self._time_step(scheduled, end - start)
         self.scheduler.update(scheduled)
         outputs = failed
-        for seq, (token, logprobs) in zip(seqs, sampled, strict=True):
-            if seq.grammar is not None and not seq.grammar.accept(token):
+        verdicts = self.structured.accept(mask, [token for token, _ in sampled]) if mask is not None else {}
+        for row, (seq, (token, logprobs)) in enumerate(zip(seqs, sampled, strict=True)):
+            verdict = verdicts.get(row)
+            if verdict == REFUSED:
                 log.error("request %s: sampled token %d outside its grammar; ended", seq.name, token)
                 self._finish(seq, "error")
                 outputs.append(self._ended(seq, "error"))
                 continue
             seq.append_token(token)
             reason = seq.stop_reason(self.eos_token_ids)
-            if reason is None and seq.grammar is not None and seq.grammar.terminated:
+            if reason is None and verdict == STOPPED:
                 reason = "stop"
             if reason is not None:
                 self._finish(seq, reason)
@@ -340,15 +344,13 @@ class Engine:
                 )
 
 
-def _stops_over_min_tokens(
-    seqs: list[Sequence], options: list[SamplingOptions], rows: list[int], bitmask: Any, structured: Any
-) -> None:
+def _stops_over_min_tokens(seqs: list[Sequence], options: list[SamplingOptions], mask: StepMask) -> None:
     """In ``options``, drop ``min_tokens`` for the rows whose grammar allows nothing but a stop this step: the
     constraint ends the text (banning the stop would leave the row no token at all)."""
-    for i in rows:
+    for j, i in enumerate(mask.rows):
         opts, seq = options[i], seqs[i]
         pending = opts.min_tokens and len(seq.token_ids) - seq.output_start < opts.min_tokens
-        if pending and structured.only_stop_allowed(bitmask, i):
+        if pending and mask.only_stop_allowed(j):
             options[i] = dataclasses.replace(opts, min_tokens=0)
 
 

@@ -3,10 +3,15 @@ engine thread, and each step's token bitmask applied to the logits on their devi
 
 Invariants: a constrained sequence is not scheduled until its grammar is compiled (``GrammarState.ready``);
 its matcher has then accepted every token it generated, those of a previous worker included (a migrated
-request's ``generated_tokens``), so the engine's tokens and the matcher never disagree. A step fills one
-bitmask on the host for the constrained rows alone (one call into xgrammar) and uploads it once; xgrammar's
-kernel sets the disallowed logits to -inf on the logits' device, in a copy (the raw logits stay as they were:
-logprobs read them). Rows without a constraint are not touched, and a step without any costs nothing here.
+request's ``generated_tokens``), before its next bitmask is filled, so the engine's tokens and the matcher
+never disagree. The matchers' per-step work runs on one grammar thread, in order: each step's accepts are
+queued after its sampling, and the next step's bitmask fill (one call into xgrammar for all its constrained
+sampling rows) is queued before its forward pass and runs beside it; the step waits for it only after the
+model ran. A sampled token is checked against the host bitmask its row was masked with (the matcher allows
+exactly the tokens whose bit is set), so a token outside the grammar ends its choice before it is kept, and a
+stop token ends it complete. The mask goes on in a copy (the raw logits stay as they were: logprobs read
+them): on the CPU as an additive bias of 0 / -inf built on the grammar thread, on other devices by xgrammar's
+kernel after one upload. Rows without a constraint are not touched, and a step without any costs nothing here.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ from services.worker.engine.host_device import HostDevice
 log = logging.getLogger(__name__)
 FILL_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 """Threads xgrammar fills a step's bitmask rows on (in C++, the rows split between them)."""
+REFUSED = "refused"
+STOPPED = "stopped"
+"""``StructuredOutputs.accept``'s verdicts: the token is outside the grammar; the token ends a complete grammar."""
 
 
 class GrammarState:
@@ -37,6 +45,7 @@ class GrammarState:
         self.deadline = deadline  # perf_counter time after which a compile still running fails the sequence
         self.timeout_s = timeout_s
         self.matcher: Any = None
+        self.refused: int | None = None  # a token its matcher refused on the grammar thread (never, by the mask)
 
     @property
     def ready(self) -> bool:
@@ -62,23 +71,68 @@ class GrammarState:
         self.matcher = matcher
         return None
 
-    def accept(self, token: int) -> bool:
-        return bool(self.matcher.accept_token(token))
 
-    @property
-    def complete(self) -> bool:
-        """What it accepted is a whole sentence of the grammar (a stop token may follow)."""
-        return bool(self.matcher.is_completed())
+class StepMask:
+    """One step's grammar mask. ``rows``: the step's sampling rows that are constrained; ``bitmask [k, words]``
+    (int32, host; bit ``j % 32`` of word ``j // 32`` is token ``j``) holds row ``rows[i]``'s mask in row
+    ``source[i]``, and ``bias [k, vocab]`` (CPU only: 0 or -inf) the same rows as floats."""
 
-    @property
-    def terminated(self) -> bool:
-        """The grammar is complete and accepted a stop token: nothing more may follow."""
-        return bool(self.matcher.is_terminated())
+    def __init__(
+        self,
+        rows: list[int],
+        states: list[GrammarState],
+        source: list[int],
+        bitmask: torch.Tensor,
+        bias: torch.Tensor | None,
+        stop_ids: list[int],
+    ) -> None:
+        self.rows = rows
+        self.states = states
+        self.source = source
+        self.bitmask = bitmask
+        self.bias = bias
+        self.stop_ids = stop_ids
+        self._words = bitmask.numpy().view(numpy.uint32)
+
+    def apply(self, logits: torch.Tensor, io: HostDevice) -> torch.Tensor:
+        """A float32 copy of ``logits [N, vocab]`` with the tokens each constrained row's grammar does not allow
+        at -inf; no host read."""
+        if self.bias is not None:  # the CPU: one add (or a copy and an index_add) in place of a bit kernel
+            if self.rows == self.source == list(range(logits.shape[0])):
+                return logits + self.bias
+            target = [0] * len(self.rows)
+            for row, src in zip(self.rows, self.source, strict=True):
+                target[src] = row
+            out = logits.to(torch.float32, copy=True)
+            return out.index_add_(0, torch.tensor(target), self.bias)
+        import xgrammar as xgr
+
+        if self.source == self.rows:  # bitmask row r is step row r
+            step_rows = self.bitmask
+        else:  # the bitmask rows laid out at their step rows (a small host copy)
+            step_rows = self.bitmask.new_zeros((logits.shape[0], self.bitmask.shape[1]))
+            step_rows[self.rows] = self.bitmask[self.source]
+        masks = io.to_device(step_rows, torch.int32)
+        out = logits.to(torch.float32, copy=True)
+        xgr.apply_token_bitmask_inplace(out, masks, indices=self.rows)
+        return out
+
+    def allows(self, i: int, token: int) -> bool:
+        """Whether the grammar of ``rows[i]`` allows ``token`` now."""
+        return bool((int(self._words[self.source[i], token >> 5]) >> (token & 31)) & 1)
+
+    def only_stop_allowed(self, i: int) -> bool:
+        """True when row ``rows[i]``'s grammar allows no token but the stop tokens (the grammar is complete)."""
+        words = self._words[self.source[i]].copy()
+        for token in self.stop_ids:
+            words[token // 32] &= ~numpy.uint32(1 << (token % 32))
+        return not words.any()
 
 
 class StructuredOutputs:
     """The engine's grammars: compiled (``GrammarCache``, its tokenizer view built on the compile thread) and
-    waited for within ``timeout_s`` of admission."""
+    waited for within ``timeout_s`` of admission; their matchers' per-step work on the grammar thread (made on
+    the engine thread's first constrained step, so it runs at that thread's priority)."""
 
     def __init__(
         self,
@@ -88,12 +142,21 @@ class StructuredOutputs:
         max_entries: int,
         max_bytes: int,
         timeout_s: float,
+        device: torch.device,
     ) -> None:
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         ids = self.stop_ids = sorted(eos_token_ids)
+        self._stops = frozenset(ids)
         self.cache = GrammarCache(lambda: tokenizer_info(tokenizer, vocab_size, ids), max_entries, max_bytes)
+        self._on_cpu = device.type == "cpu"
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher: fills a step's rows in one call
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._last: concurrent.futures.Future | None = None  # the grammar thread's last job (they run in order)
+        self._pending: tuple[list[GrammarState], concurrent.futures.Future] | None = None  # the next step's fill
+        self._bitmask = torch.empty(0, 0, dtype=torch.int32)  # reused host buffers, grown to the rows a step needs
+        self._bias = torch.empty(0, 8)
+        self._table: torch.Tensor | None = None  # byte -> its 8 tokens' bias (0 where the bit is set, else -inf)
 
     def state(self, constraint: Constraint) -> GrammarState:
         """A new sequence's grammar state; ValueError at once when the constraint is already known bad."""
@@ -102,40 +165,105 @@ class StructuredOutputs:
             raise ValueError(str(compiling.exception()))
         return GrammarState(compiling, time.perf_counter() + self.timeout_s, self.timeout_s)
 
-    def fill_bitmask(self, states: list[GrammarState | None]) -> tuple[list[int], torch.Tensor] | None:
-        """The rows of a step's sampled sequences that are constrained, and the step's bitmask ``[rows of the
-        step, words]`` (int32, on the host) with those rows filled by their matchers in one call (the others
-        are never read); None when no row is constrained."""
+    def prefetch(self, states: list[GrammarState]) -> None:
+        """Queue the fill of ``states``' bitmask rows on the grammar thread: the constrained sequences that sample
+        in the step about to run (any order), before its forward pass, which the fill then runs beside."""
+        if states:
+            self._pending = (states, self._submit(self._fill, states))
+
+    def step_mask(self, states: list[GrammarState | None]) -> StepMask | None:
+        """The mask of a step's sampling rows (``states``: each row's grammar, None where unconstrained): the
+        prefetched fill waited for, or, for rows it did not fill, a fill now; None when no row is constrained."""
+        pending, self._pending = self._pending, None
         rows = [i for i, state in enumerate(states) if state is not None]
         if not rows:
             return None
+        constrained: list[GrammarState] = [states[i] for i in rows]  # type: ignore[misc]
+        if pending is not None:
+            filled, future = pending
+            bitmask, bias = future.result()
+            if len(filled) == len(constrained) and all(a is b for a, b in zip(filled, constrained, strict=True)):
+                return StepMask(rows, constrained, list(range(len(rows))), bitmask, bias, self.stop_ids)
+            place = {id(state): j for j, state in enumerate(filled)}
+            source = [place.get(id(state), -1) for state in constrained]
+            if -1 not in source:
+                return StepMask(rows, constrained, source, bitmask, bias, self.stop_ids)
+        self._drain()
+        bitmask, bias = self._fill(constrained)
+        return StepMask(rows, constrained, list(range(len(rows))), bitmask, bias, self.stop_ids)
+
+    def accept(self, mask: StepMask, tokens: list[int]) -> dict[int, str]:
+        """The verdicts on the step's sampled ``tokens`` (one per sampling row) for the rows ``mask``
+        constrains: ``REFUSED`` where the grammar does not allow the token, ``STOPPED`` where it is a stop token
+        (allowed only once the grammar is complete: the choice ends); the matchers of the other constrained rows
+        accept their tokens on the grammar thread, before any later fill."""
+        verdicts: dict[int, str] = {}
+        matchers, accepted = [], []
+        for i, row in enumerate(mask.rows):
+            state, token = mask.states[i], tokens[row]
+            if state.refused is not None or not mask.allows(i, token):
+                verdicts[row] = REFUSED
+            elif token in self._stops:
+                verdicts[row] = STOPPED
+            else:
+                matchers.append(state)
+                accepted.append(token)
+        if matchers:
+            self._submit(_accept, matchers, accepted)
+        return verdicts
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True, cancel_futures=True)
+        self.cache.close()
+
+    # ----- the grammar thread's work -----
+
+    def _submit(self, job: Any, *args: Any) -> concurrent.futures.Future:
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-step")
+        self._last = self._thread.submit(job, *args)
+        return self._last
+
+    def _drain(self) -> None:
+        """Wait for every job queued on the grammar thread (the buffers and matchers are then this thread's)."""
+        if self._last is not None:
+            concurrent.futures.wait([self._last])
+            self._last = None
+
+    def _fill(self, states: list[GrammarState]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``states``' bitmask rows ``[k, words]`` filled in one call and, on the CPU, their bias ``[k, vocab]``
+        (views of reused buffers: valid until the next fill)."""
         import xgrammar as xgr
 
         if self._batch is None:
             self._batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
-        bitmask = xgr.allocate_token_bitmask(len(states), self.vocab_size)
-        matchers = [states[i].matcher for i in rows]  # type: ignore[union-attr]
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
-        return rows, bitmask
+        rows, words = len(states), -(-self.vocab_size // 32)
+        if self._bitmask.shape[0] < rows:
+            self._bitmask = torch.empty(max(rows, 2 * self._bitmask.shape[0]), words, dtype=torch.int32)
+        bitmask = self._bitmask[:rows]
+        self._batch.batch_fill_next_token_bitmask([s.matcher for s in states], bitmask)
+        return bitmask, self._bias_of(bitmask) if self._on_cpu else None
 
-    def only_stop_allowed(self, bitmask: torch.Tensor, row: int) -> bool:
-        """True when ``bitmask``'s ``row`` allows no token but the stop tokens (the grammar is complete)."""
-        words = bitmask[row].numpy().view(numpy.uint32).copy()
-        for token in self.stop_ids:
-            words[token // 32] &= ~numpy.uint32(1 << (token % 32))
-        return not words.any()
+    def _bias_of(self, bitmask: torch.Tensor) -> torch.Tensor:
+        """``bitmask [k, words]`` as floats ``[k, vocab]``: 0 where a token's bit is set, -inf elsewhere (each
+        byte looked up in a 256 x 8 table; little-endian words: byte ``b`` of word ``w`` holds tokens
+        ``32w + 8b`` onwards)."""
+        if self._table is None:
+            bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+            self._table = torch.zeros(256, 8).masked_fill_(bits == 0, float("-inf"))
+        index = bitmask.view(torch.uint8).view(-1)
+        if self._bias.shape[0] < index.numel():
+            self._bias = torch.empty(index.numel(), 8)
+        out = self._bias[: index.numel()]
+        torch.index_select(self._table, 0, index.int(), out=out)
+        return out.view(bitmask.shape[0], -1)[:, : self.vocab_size]
 
-    def close(self) -> None:
-        self.cache.close()
 
-
-def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor, io: HostDevice) -> torch.Tensor:
-    """A float32 copy of ``logits [N, vocab]`` with, in each of ``rows``, the tokens whose bit is 0 in that row of
-    ``bitmask [N, words]`` set to -inf (bit ``j % 32`` of word ``j // 32`` is token ``j``), by xgrammar's kernel
-    on the logits' device (C++ on the CPU, Triton on CUDA). One upload (the bitmask); no host read."""
-    import xgrammar as xgr
-
-    masks = io.to_device(bitmask, torch.int32)
-    out = logits.to(torch.float32, copy=True)
-    xgr.apply_token_bitmask_inplace(out, masks, indices=rows)
-    return out
+def _accept(states: list[GrammarState], tokens: list[int]) -> None:
+    """On the grammar thread: each matcher accepts its token (allowed by its mask, so it always does; one that
+    does not marks its state, and the choice ends ``REFUSED`` at its next token)."""
+    for state, token in zip(states, tokens, strict=True):
+        if not state.matcher.accept_token(token):
+            state.refused = token
+            log.error("a grammar matcher refused token %d its own bitmask allowed", token)
