@@ -1,7 +1,8 @@
 """Structured outputs in the engine equal transformers' `generate` run with xgrammar's own logits processor
 (`xgrammar.contrib.hf.LogitsProcessor`) for the same constraint, on the tiny model: JSON schemas (enums,
 maxLength, maxItems, nested objects, a bounded integer), any JSON object, regexes, choices and an EBNF grammar,
-greedy and seeded, mixed in one batch with plain and image requests and a request of two choices; outputs that
+greedy and seeded, 37 constrained requests mixed in the same batches with plain and image requests and a request
+of two choices; outputs that
 ended "stop" parse and validate against their constraint, one that cannot finish ends "length"; logprobs stay
 the raw distribution's; a continuation (a migrated request) rebuilds its matcher from the tokens generated
 before; a constraint that does not compile ends its request "error" holding nothing, and a second request
@@ -63,6 +64,8 @@ def prompts(loaded: tuple[Any, Any]) -> list[Prompt]:
     return [
         build_prompt(adapter, model, ["give me the answer as json"]),
         build_prompt(adapter, model, ["describe", image(64, 48, 41), "in a few words"]),
+        build_prompt(adapter, model, ["fill in the form from", image(40, 56, 42)]),
+        build_prompt(adapter, model, ["list the colours you see, one field each"]),
     ]
 
 
@@ -99,6 +102,7 @@ def test_constrained_outputs_equal_generate_with_xgrammar_and_validate(
     expected["two/1"] = oracle(tiny_model_dir, prompts[0].messages, [], second, compiler, eos)
     engine = _engine(loaded)
     results = _run(engine, requests)
+    assert len(requests) >= 32 and sum(r.sampling.structured is not None for _, r in requests) >= 32
     assert {rid: results[rid].tokens for rid in expected} == expected
     stopped = 0
     for i in range(len(prompts)):
