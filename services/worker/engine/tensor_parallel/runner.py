@@ -84,8 +84,8 @@ class ShardRunner(ModelRunner):
         if not message.media:
             return []
         total = sum(rows for _, rows in message.media)
-        hidden = int(self.adapter.hidden_size)
-        buffer = self.group.broadcast(torch.empty(total, hidden, dtype=self.dtype, device=self.device))
+        width = int(self.adapter.embedding_width)  # DeepStack levels travel with the rows (Qwen3-VL)
+        buffer = self.group.broadcast(torch.empty(total, width, dtype=self.dtype, device=self.device))
         placed, at = [], 0
         for offset, rows in message.media:
             placed.append(PlacedEmbedding(offset, buffer[at : at + rows]))
