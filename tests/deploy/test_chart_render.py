@@ -23,6 +23,7 @@ EXPECTED_SCENARIOS = {
     "default-values.yaml",
     "external-redis-values.yaml",
     "gpu-4enc-8wkr-values.yaml",
+    "gpu-tp4-values.yaml",
     "cpu-dev-values.yaml",
     "tls-auth-values.yaml",
 }

@@ -54,6 +54,28 @@ def test_gpu_scenario_requests_gpus_for_4_encoders_and_8_workers() -> None:
     assert "initContainers" not in worker_set["spec"]["template"]["spec"]
 
 
+def test_tensor_parallel_scenario_gives_each_worker_a_gpu_per_rank_and_a_sized_dev_shm() -> None:
+    docs = render(load_values(CI / "gpu-tp4-values.yaml"))
+    worker_set = one(docs, "StatefulSet", "worker")
+    container = main_container(docs, "StatefulSet", "worker")
+    assert container["resources"]["limits"][GPU] == container["resources"]["requests"][GPU] == 4
+    env = env_of(container)
+    assert env["EPD_TENSOR_PARALLEL_SIZE"] == "4" and env["EPD_DEVICE"] == "cuda"
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"  # a timed-out collective fails, the worker exits
+    assert load(WorkerConfig, env=env).tensor_parallel_size == 4
+    volumes = {v["name"]: v for v in worker_set["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts["dshm"] == "/dev/shm"
+    encoder = main_container(docs, "Deployment", "encoder")
+    assert encoder["resources"]["limits"][GPU] == 1 and "EPD_TENSOR_PARALLEL_SIZE" not in env_of(encoder)
+
+
+def test_workers_without_tensor_parallelism_set_no_size() -> None:
+    docs = render(load_values(CI / "gpu-4enc-8wkr-values.yaml"))
+    assert "EPD_TENSOR_PARALLEL_SIZE" not in env_of(main_container(docs, "StatefulSet", "worker"))
+
+
 def test_gpu_workers_size_kv_from_memory_utilisation_not_bytes() -> None:
     docs = render(load_values(CI / "gpu-4enc-8wkr-values.yaml"))
     env = env_of(main_container(docs, "StatefulSet", "worker"))
@@ -218,6 +240,8 @@ def test_gpu_memory_utilization_outside_0_1_is_refused(value: object, message: s
         ({"env": {"EPD_REDIS_URL": "redis://other:6379/0"}}, "set redis.external.url instead"),
         ({"router": {"autoscaling": {"minReplicas": 9}}}, "minReplicas must not exceed maxReplicas"),
         ({"worker": {"drainTimeoutSeconds": 60}}, "worker: terminationGracePeriodSeconds .60. must exceed"),
+        ({"worker": {"gpus": 2, "tensorParallelSize": 4}}, r"worker.gpus \(2\) must equal worker.tensorParallelSize"),
+        ({"worker": {"gpus": 2, "tensorParallelSize": 2, "shmSizeLimit": None}}, "worker.shmSizeLimit must be set"),
     ],
 )
 def test_inconsistent_values_fail_with_a_message(values: dict, message: str) -> None:
