@@ -50,6 +50,21 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     plan.add_argument(
         "--transport", default="grpc", choices=["grpc", "gloo"], help="how embeddings reach workers (default grpc)"
     )
+    plan.add_argument(
+        "--device-memory-gb",
+        type=_sizes(float),
+        metavar="GB,GB,..",
+        help="also size tensor parallelism: weights and KV per rank, and the smallest size that fits each device",
+    )
+    plan.add_argument(
+        "--kv-tokens", type=_whole(1), default=131072, help="KV a worker must hold, in tokens (default 131072)"
+    )
+    plan.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="share of each device for weights and KV, as EPD_GPU_MEMORY_UTILIZATION (default 0.9)",
+    )
     plan.set_defaults(fn=run_plan)
 
 
@@ -123,6 +138,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from services.capacity.plan import make_plan, plan_json
     from services.capacity.plan_table import plan_table
     from services.capacity.profile import ProfileError, load_profile
+    from services.capacity.tp_fit import fits_table
     from services.capacity.traffic import TrafficError, load_traffic
     from services.launch.preflight import check_model
 
@@ -150,6 +166,8 @@ def run_plan(args: argparse.Namespace) -> int:
     except TrafficError as exc:
         raise usage_error(f"traffic file {args.traffic}: {exc}", "see docs/planning.md") from None
     report = plan_json(plan)
+    if args.device_memory_gb:
+        report["tensor_parallel"] = tensor_parallel_report(Path(args.model), sizes.dtype_bytes, args)
     if args.plots is not None:
         from services.capacity.plots import draw_plots
 
@@ -158,9 +176,26 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(report))
     else:
         print(plan_table(report))
+        for device in report.get("tensor_parallel", []):
+            print("\n".join(fits_table(device)))
         for path in report.get("plots", []):
             print(f"plot: {path}")
     return 0
+
+
+def tensor_parallel_report(model_dir: Path, dtype_bytes: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """`epd plan --device-memory-gb`'s part of the report: one entry per device size."""
+    from transformers import AutoConfig
+
+    from services.capacity.tp_fit import fits_json, rank_fits, weightless_model
+
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise usage_error("--gpu-memory-utilization must be within (0, 1]", "pass a share such as 0.9")
+    model = weightless_model(AutoConfig.from_pretrained(model_dir, local_files_only=True))
+    return [
+        fits_json(gb, args.kv_tokens, rank_fits(model, dtype_bytes, gb, args.kv_tokens, args.gpu_memory_utilization))
+        for gb in args.device_memory_gb
+    ]
 
 
 def _whole(lowest: int) -> Any:

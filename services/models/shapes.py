@@ -10,7 +10,10 @@ and `random_pixel_inputs` makes pixel inputs of given patch grids, so a GPU benc
 Qwen3-VL-8B-Instruct's (vision: depth 27, width 1152, 16 heads, MLP 4304, 16-pixel patches, 2x2 merge, a 48 x 48
 learned position grid, DeepStack after blocks 8, 16 and 24, merger out 4096; language model: hidden 4096, 36
 layers, 32 heads, 8 KV heads of 128, MLP 12288, vocabulary 151936, 262144 positions, interleaved M-RoPE sections
-[24, 20, 20]), for planning without a download.
+[24, 20, 20]), for planning without a download. `qwen2_5_vl_72b_config` is Qwen2.5-VL-72B-Instruct's (vision:
+depth 32, width 1280, 16 heads, MLP 3456, windowed attention with full blocks 7/15/23/31, merger out 8192;
+language model: hidden 8192, 80 layers, 64 heads, 8 KV heads of 128, MLP 29568, vocabulary 152064), for sizing
+tensor parallelism (`epd plan --device-memory-gb`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import copy
 from typing import Any
 
 import torch
-from transformers import Qwen2VLConfig, Qwen3VLConfig
+from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
 
 from services.models.base import PixelInputs
 
@@ -84,6 +87,18 @@ def qwen2_vl_7b_config(
         tie_word_embeddings=False,
         **QWEN2_VL_7B_TOKENS,
     )
+
+
+def qwen2_5_vl_72b_config() -> Qwen2_5_VLConfig:
+    """Qwen2.5-VL-72B-Instruct's config (see the module docstring)."""
+    vision = {"depth": 32, "hidden_size": 1280, "intermediate_size": 3456, "num_heads": 16, "in_channels": 3,
+              "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
+              "fullatt_block_indexes": [7, 15, 23, 31], "out_hidden_size": 8192, "hidden_act": "silu"}  # fmt: skip
+    text = {**QWEN2_VL_7B_TEXT, "hidden_size": 8192, "intermediate_size": 29568, "num_hidden_layers": 80,
+            "num_attention_heads": 64, "num_key_value_heads": 8, "max_window_layers": 80,
+            "max_position_embeddings": 128000}  # fmt: skip
+    text["rope_parameters"] = dict(text["rope_parameters"])
+    return Qwen2_5_VLConfig(vision_config=vision, text_config=text, tie_word_embeddings=False, **QWEN2_VL_7B_TOKENS)
 
 
 QWEN3_VL_8B_VISION: dict[str, Any] = {

@@ -11,7 +11,7 @@ gathers every rank's, so each rank ends with the full logits.
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -74,23 +74,16 @@ class ParallelLMHead(nn.Module):
         return self.group.all_gather_last(nn.functional.linear(hidden, self.weight, self.bias), self.widths)
 
 
-def shard_language_model(model: nn.Module, plan: ShardPlan, rank: int, group: Collectives) -> None:
-    """Cut ``model``'s language model down to rank ``rank``'s share of ``plan``, in place, by the text config's
-    ``base_model_tp_plan`` (transformers' list of column- and row-wise layers); the vision tower is left whole.
-
-    The text config then describes this rank's model (its query and KV heads, ``head_dim`` explicit), so what
-    reads the model's shape (the KV cache) sees this rank's. ValueError when the config ships no plan or a
-    planned layer is not a linear layer of a known width.
-    """
+def planned_layers(model: nn.Module) -> Iterator[tuple[str, nn.Linear, nn.Module, str, bool]]:
+    """``(name, linear, parent, style, in_attention)`` for each layer of ``model``'s language model that its
+    text config's ``base_model_tp_plan`` names (``style`` colwise or rowwise). ValueError when the config ships
+    no plan, or a planned layer is not a linear layer or has a style we do not shard."""
     text = model.config.get_text_config()
     rules = getattr(text, "base_model_tp_plan", None)
     if not rules:
         raise ValueError(f"{text.model_type} ships no tensor-parallel plan (base_model_tp_plan)")
     patterns = [(re.compile(re.escape(key).replace(r"\*", r"\d+") + "$"), style) for key, style in rules.items()]
     decoder = _decoder(model)
-    d = plan.head_dim
-    q_rows = _head_rows(plan.q_heads[rank], d)
-    kv_rows = _head_rows(plan.kv_heads[rank], d)
     owners = dict(decoder.named_modules())
     for name, module in list(decoder.named_modules()):
         style = next((s for pattern, s in patterns if pattern.match(name)), None)
@@ -98,33 +91,68 @@ def shard_language_model(model: nn.Module, plan: ShardPlan, rank: int, group: Co
             continue
         if not isinstance(module, nn.Linear):
             raise ValueError(f"tensor-parallel layer {name} is a {type(module).__name__}, not a linear layer")
-        parent_name, _, attr = name.rpartition(".")
-        parent = owners[parent_name]
-        attention = hasattr(parent, "head_dim")
-        if style == "colwise":
-            if attention and module.out_features == plan.num_heads * d:
-                rows = q_rows
-            elif attention and module.out_features == plan.num_kv_heads * d:
-                rows = kv_rows
-            elif attention:
-                raise ValueError(f"{name}: {module.out_features} outputs are neither query nor KV heads")
-            else:
-                rows = split(module.out_features, plan.size)[rank]
-            _keep_rows(module, rows)
-        elif style == "rowwise":
-            if attention and module.in_features != plan.num_heads * d:
-                raise ValueError(f"{name}: {module.in_features} inputs are not the query heads")
-            cols = q_rows if attention else split(module.in_features, plan.size)[rank]
-            setattr(parent, attr, RowParallelLinear(module, cols, group))
-        else:
+        if style not in ("colwise", "rowwise"):
             raise ValueError(f"tensor-parallel style {style!r} of {name} is not one we shard")
+        parent = owners[name.rpartition(".")[0]]
+        yield name, module, parent, style, hasattr(parent, "head_dim")
+
+
+def shard_slice(name: str, linear: nn.Linear, style: str, attention: bool, plan: ShardPlan, rank: int) -> range:
+    """The output rows (colwise) or input columns (rowwise) of ``linear`` that rank ``rank`` keeps: whole heads
+    in attention (query or KV, by the layer's width), an even split elsewhere."""
+    d = plan.head_dim
+    if style == "rowwise":
+        if attention and linear.in_features != plan.num_heads * d:
+            raise ValueError(f"{name}: {linear.in_features} inputs are not the query heads")
+        return _head_rows(plan.q_heads[rank], d) if attention else split(linear.in_features, plan.size)[rank]
+    if not attention:
+        return split(linear.out_features, plan.size)[rank]
+    if linear.out_features == plan.num_heads * d:
+        return _head_rows(plan.q_heads[rank], d)
+    if linear.out_features == plan.num_kv_heads * d:
+        return _head_rows(plan.kv_heads[rank], d)
+    raise ValueError(f"{name}: {linear.out_features} outputs are neither query nor KV heads")
+
+
+def shard_language_model(model: nn.Module, plan: ShardPlan, rank: int, group: Collectives) -> None:
+    """Cut ``model``'s language model down to rank ``rank``'s share of ``plan``, in place, by the text config's
+    ``base_model_tp_plan`` (transformers' list of column- and row-wise layers); the vision tower is left whole.
+
+    The text config then describes this rank's model (its query and KV heads, ``head_dim`` explicit), so what
+    reads the model's shape (the KV cache) sees this rank's. ValueError as `planned_layers` says.
+    """
+    text = model.config.get_text_config()
+    for name, linear, parent, style, attention in list(planned_layers(model)):
+        kept = shard_slice(name, linear, style, attention, plan, rank)
+        if style == "colwise":
+            _keep_rows(linear, kept)
+        else:
+            setattr(parent, name.rpartition(".")[2], RowParallelLinear(linear, kept, group))
         if attention and hasattr(parent, "num_key_value_groups"):
             parent.num_key_value_groups = plan.groups[rank]
     model.set_input_embeddings(VocabParallelEmbedding(model.get_input_embeddings(), plan.vocab[rank], group))
     model.set_output_embeddings(ParallelLMHead(model.get_output_embeddings(), plan, rank, group))
-    text.head_dim = d
+    text.head_dim = plan.head_dim
     text.num_attention_heads = len(plan.q_heads[rank])
     text.num_key_value_heads = len(plan.kv_heads[rank])
+
+
+def rank_parameters(model: nn.Module, plan: ShardPlan, rank: int) -> int:
+    """How many parameters rank ``rank`` holds of ``model`` (unsharded, on any device, ``meta`` too): its slices
+    of the planned layers, embedding and LM head, everything else whole (norms; the vision tower, on every
+    rank today)."""
+    total = sum(p.numel() for p in model.parameters())
+    for name, linear, _, style, attention in planned_layers(model):
+        kept = len(shard_slice(name, linear, style, attention, plan, rank))
+        if style == "colwise":
+            total -= (linear.out_features - kept) * (linear.in_features + (linear.bias is not None))
+        else:
+            total -= (linear.in_features - kept) * linear.out_features
+    held = len(plan.vocab[rank])
+    tables = {id(m.weight): m.weight for m in (model.get_input_embeddings(), model.get_output_embeddings())}
+    for weight in tables.values():  # a tied head shares the embedding's weight
+        total -= (weight.shape[0] - held) * weight.shape[1]
+    return total
 
 
 def _decoder(model: nn.Module) -> nn.Module:
@@ -144,8 +172,3 @@ def _keep_rows(linear: nn.Linear, rows: range) -> None:
     if linear.bias is not None:
         linear.bias = nn.Parameter(linear.bias.data[rows.start : rows.stop].clone(), requires_grad=False)
     linear.out_features = len(rows)
-
-
-def full_vocab(model: Any) -> int:
-    """The logits' width of ``model`` (sharded or not): its text config's vocabulary."""
-    return int(model.config.get_text_config().vocab_size)
