@@ -16,6 +16,10 @@ are reported even when another section fails, hangs or crashes the process:
   has it, ``sdpa`` as the baseline; decode graphs where the backend takes them), each under its own name: the
   engine's decode step against its own graph replayed alone (the overhead ratio), the KV blocks from memory,
   host syncs per step and staging waits.
+- ``tensor_parallel`` (tests/gpu/tensor_parallel.py, last: the budget may leave it out of a whole run; run it
+  alone with ``--section tensor_parallel``): on 2 or more GPUs a TP=2 engine (NCCL, bf16) against TP=1 on one
+  random model folder: tokens of 32 greedy requests agree except at ties, the median decode step at 32
+  sequences of each (``step_ratio``); skipped, saying so, on one GPU.
 - ``vision``: vision-tower images/s for 1344x1008 images on the 7B's vision config, the tower timed alone
   (inputs staged first, CUDA events), the staging apart.
 
@@ -34,7 +38,7 @@ import time
 import traceback
 from typing import Any
 
-SECTION_SECONDS = {"env": 90, "kernel": 90, "exactness": 150, "decode": 330, "vision": 150}
+SECTION_SECONDS = {"env": 90, "kernel": 90, "exactness": 150, "decode": 330, "vision": 150, "tensor_parallel": 150}
 BUDGET_S = 470
 """The whole run's limit (the GPU loan gives one call of at most 10 minutes; this leaves room)."""
 

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCKED = ("PIL", "grpc", "redis", "opentelemetry")
-SECTIONS = ("env", "kernel", "exactness", "decode", "vision")
+SECTIONS = ("env", "kernel", "exactness", "decode", "vision", "tensor_parallel")
 
 
 def _last_json(output: str) -> dict:
@@ -37,6 +37,11 @@ def _check(name: str, section: dict) -> None:
             result = section[variant]
             assert result["exact"] + result["ties"] == result["requests"] == 16 and result["wrong"] == [], variant
         assert section["flash_reference_graphs"]["graph_steps"] > 0
+    if name == "tensor_parallel":  # two gloo ranks on the CPU: fp32 tokens equal TP=1's
+        assert (
+            section["equal"] == section["requests"] > 0
+            and section["tp2"]["kv_blocks"] == 2 * section["tp1"]["kv_blocks"]
+        )
     if name == "decode":  # one entry per backend, each naming what ran: flash cannot here, the others do
         assert "needs CUDA" in section["flash"]["skipped"]
         assert set(section["generate"]) == {"batch_1", "batch_4", "batch_8"}
