@@ -28,8 +28,9 @@ from services.models.base import (
     ChatPart,
     ModelAdapter,
     PlacedEmbedding,
-    VideoError,
     media_forward_kwargs,
+    placeholder_token_id,
+    supports_video,
 )
 from services.models.media_span import MediaSpan
 from services.models.qwen3_vl import Qwen3VLAdapter
@@ -230,8 +231,8 @@ def test_split_greedy_equals_generate_whole_and_chunked(qwen3: tuple[Qwen3VLAdap
     assert _split_greedy(adapter, model, images, 16, chunk=10_000, levels=False) != expected  # the levels count
 
 
-def test_video_is_refused(qwen3: tuple[Qwen3VLAdapter, Any, Path]) -> None:
+def test_video_is_not_taken(qwen3: tuple[Qwen3VLAdapter, Any, Path], tiny_model_dir: Path) -> None:
     adapter, _, _ = qwen3
-    with pytest.raises(VideoError):
-        adapter.video_tokens(320, 240, 40, 10.0)
+    assert not supports_video(adapter) and supports_video(load_adapter(tiny_model_dir))
+    assert placeholder_token_id(adapter, "image") == adapter.image_token_id
     assert adapter.processor_settings()["video"] is None
