@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +22,30 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # Clusters the tests start fork their services from one process that imported torch and transformers once
 # (services/launch/forkserver.py): a cold `epd serve` spends ~3 CPU-seconds importing, per service, per start.
 local.set_start_method("forkserver")
+
+# How many clusters and service processes this test process started, printed at the end of the run: the
+# suite's time is mostly theirs, so a change that adds starts shows in the summary.
+STARTED = {"clusters": 0, "services": 0}
+
+
+def _counted(function: Callable, key: str) -> Callable:
+    @functools.wraps(function)
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        STARTED[key] += 1
+        return function(*args, **kwargs)
+
+    return counting
+
+
+local.start_cluster = _counted(local.start_cluster, "clusters")
+local._popen = _counted(local._popen, "services")  # spawn and respawn call it
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    terminalreporter.write_line(
+        f"epd: {STARTED['clusters']} clusters and {STARTED['services']} service processes started by the tests"
+    )
+
 
 # Small image cap keeps vision forwards cheap; still several hundred tokens for large images.
 TINY_TEST_MAX_PIXELS = 256 * 28 * 28

@@ -55,6 +55,7 @@ from services.router.openai_response import (
     TextChunkWriter,
     TextCompletionBuilder,
     sse,
+    sse_all,
     token_count_json,
 )
 from services.router.openapi_doc import SUMMARIES, openapi_document
@@ -173,24 +174,27 @@ async def _events(
     writer: ChunkWriter,
 ) -> AsyncIterator[bytes]:
     """The SSE body: the role chunk, a chunk per response, then `[DONE]`; a failure mid-stream is sent
-    as an error event (the status line has gone already)."""
+    as an error event (the status line has gone already). The events of one response go out as one piece
+    (the role chunk with the first response's, `[DONE]` with the last's): one socket write each."""
     async with contextlib.aclosing(stream):
-        for chunk in writer.start():
-            yield sse(chunk)
+        pending = sse_all(writer.start())  # goes out with the first response's events
         response: generation_pb2.GenerateResponse | None = first
         while response is not None:
-            for chunk in writer.add(response):
-                yield sse(chunk)
+            events, pending = pending + sse_all(writer.add(response)), b""
+            if response.HasField("final"):
+                pending = events  # goes out with [DONE]
+            elif events:
+                yield events
             try:
                 response = await anext(stream, None)
             except RequestError as exc:
-                yield sse(from_request_error(exc).body())
+                pending += sse(from_request_error(exc).body())
                 break
             except Exception:
                 log.exception("HTTP stream failed unexpectedly")
-                yield sse(internal().body())
+                pending += sse(internal().body())
                 break
-        yield DONE
+        yield pending + DONE
 
 
 M = TypeVar("M", bound=BaseModel)

