@@ -22,6 +22,12 @@ def add_cluster_arguments(cmd: argparse.ArgumentParser, *, ray: bool) -> None:
         "--workers", type=_int_in(1, 64, "a whole number from 1 to 64"), default=1, help="worker processes (default 1)"
     )
     cmd.add_argument(
+        "--tensor-parallel-size",
+        type=_int_in(1, 8, "a whole number from 1 to 8"),
+        default=1,
+        help="devices each worker's language model is sharded over, one rank process each (default 1)",
+    )
+    cmd.add_argument(
         "--device",
         choices=DEVICES,
         default=None,

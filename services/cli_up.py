@@ -22,7 +22,14 @@ from pathlib import Path
 
 from services.cli_errors import UserError, failure, one_line
 from services.launch import local
-from services.launch.preflight import check_device, check_model, check_ports, check_redis, resolve_device
+from services.launch.preflight import (
+    check_device,
+    check_model,
+    check_ports,
+    check_redis,
+    check_tensor_parallel,
+    resolve_device,
+)
 from services.launch.supervisor import Supervisor
 
 DEFAULT_TINY = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "epd" / "tiny-qwen2-vl"
@@ -98,7 +105,7 @@ def checked_spec(args: argparse.Namespace) -> local.ClusterSpec:
         args.encoders,
         args.workers,
         os.environ.get("EPD_REDIS_URL", DEFAULT_REDIS),
-        env={"EPD_DEVICE": device},
+        env={"EPD_DEVICE": device, **worker_settings(args)},
         router_port=args.port,
         http_port=args.http_port,
         encoder_port=args.encoder_port,
@@ -109,7 +116,14 @@ def checked_spec(args: argparse.Namespace) -> local.ClusterSpec:
     check_redis(spec.redis_url)
     if not args.model:
         tiny_model(DEFAULT_TINY)
+    check_tensor_parallel(spec.model_dir, getattr(args, "tensor_parallel_size", 1), device)
     return spec
+
+
+def worker_settings(args: argparse.Namespace) -> dict[str, str]:
+    """The workers' settings the flags give (only what differs from the default)."""
+    size = getattr(args, "tensor_parallel_size", 1)
+    return {"EPD_TENSOR_PARALLEL_SIZE": str(size)} if size > 1 else {}
 
 
 def port_rows(plan: local.PortPlan) -> list[tuple[str, int, str]]:
@@ -208,7 +222,7 @@ def _up_ray(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port,
             http_port=args.http_port,
             ready_timeout_s=args.startup_timeout,
-            env={"EPD_DEVICE": device},
+            env={"EPD_DEVICE": device, **worker_settings(args)},
         )
     except RayLaunchError as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

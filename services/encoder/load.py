@@ -89,8 +89,10 @@ class EncoderLoad:
     batch_queue_tokens: int
     expected_wait_ms: int
     over_budget_ms: int  # how far the expected wait is past the budget: the router refuses before any call
+    item_ms: float = 0.0  # the measured drain rate, milliseconds per item (`EncoderRates.item_s`)
+    budget_ms: int = 0  # the longest expected wait admitted (`max_queue_s`)
 
-    def as_state(self) -> dict[str, int]:
+    def as_state(self) -> dict[str, float]:
         return asdict(self)
 
 
@@ -183,6 +185,8 @@ class Admission:
             self._batcher.queued_tokens,
             round(1000 * self.expected_wait_s()),
             round(1000 * max(0.0, self.expected_wait_s() - self._max_queue_s)),
+            round(1000 * self.rates.item_s, 3),
+            round(1000 * self._max_queue_s),
         )
 
     def _finish(self, tokens: int, encoded: bool) -> None:

@@ -67,6 +67,28 @@ def check_model(model_dir: Path) -> str:
     return model_type
 
 
+def check_tensor_parallel(model_dir: Path, size: int, device: str) -> None:
+    """A usage error when ``size`` cannot split the folder's model (its heads) or, on CUDA, exceeds the GPUs."""
+    if size == 1:
+        return
+    from transformers import AutoConfig
+
+    from services.worker.engine.tensor_parallel.plan import ShardPlan
+
+    try:
+        ShardPlan.of_config(AutoConfig.from_pretrained(model_dir, local_files_only=True), size)
+    except ValueError as exc:
+        raise usage_error(f"--tensor-parallel-size {size}: {exc}", "pass a size the model's heads divide by") from None
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < size:
+            raise usage_error(
+                f"--tensor-parallel-size {size} needs {size} GPUs per worker; torch sees {torch.cuda.device_count()}",
+                "pass a smaller size",
+            )
+
+
 def _check_adapter(model_dir: Path, model_type: str) -> None:
     from services.models.registry import ADAPTERS
 

@@ -1,4 +1,4 @@
-"""The Qwen3-VL parts of a tiny random model folder: config, image and video processor settings, chat template.
+"""The Qwen3-VL parts of a tiny random model folder: config, image processor settings, chat template.
 
 Shaped like Qwen/Qwen3-VL-8B-Instruct with small widths: a vision tower of 16-pixel patches, 2x2 merge and 2-frame
 temporal patches (32 pixels per token side), learned position embeddings on a 16 x 16 grid, 2 blocks 32 wide, and
@@ -6,8 +6,8 @@ DeepStack feature maps taken after both blocks (`deepstack_visual_indexes` [0, 1
 language model after its decoder layers 0 and 1); a Qwen3 language model (`qwen3_vl_text`: q/k norms, an explicit
 `head_dim`, interleaved M-RoPE) as wide and deep as the other tiny families. The image processor is
 Qwen2VLImageProcessor as Qwen3-VL saves it (patch 16, mean and std 0.5) with small pixel limits; the chat template
-is Qwen3-VL's (no default system turn). `tiny_model.make_tiny_model(dir, "qwen3-vl")` writes the folder; these
-functions only build the dicts.
+is Qwen3-VL's (no default system turn). No video processor settings: Qwen3-VL video is not served.
+`tiny_model.make_tiny_model(dir, "qwen3-vl")` writes the folder; these functions only build the dicts.
 """
 
 from __future__ import annotations
@@ -130,19 +130,4 @@ def qwen3_vl_preprocessor_config(max_pixels: int) -> dict[str, Any]:
         "patch_size": PATCH_SIZE,
         "temporal_patch_size": 2,
         "merge_size": MERGE_SIZE,
-    }
-
-
-def qwen3_vl_video_preprocessor_config() -> dict[str, Any]:
-    """Qwen3VLVideoProcessor's settings as Qwen3-VL saves them (2 fps, 4..768 frames, 4096..25165824 pixels a
-    frame, 16-pixel patches, mean and std 0.5)."""
-    image = {k: v for k, v in qwen3_vl_preprocessor_config(MAX_PIXELS).items() if k != "image_processor_type"}
-    return {
-        **image,
-        "video_processor_type": "Qwen3VLVideoProcessor",
-        "size": {"shortest_edge": 4096, "longest_edge": 25165824},
-        "do_sample_frames": True,
-        "fps": 2.0,
-        "min_frames": 4,
-        "max_frames": 768,
     }

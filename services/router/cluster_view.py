@@ -5,9 +5,11 @@ kept (a worker that died meanwhile is found out by its refused connection), so a
 does not stop placement. Admissions this router made since a worker's last heartbeat are added
 to that worker's reserved blocks (and its requests that ended since are subtracted), so neither a
 burst nor a heartbeat's lag skews the view (the worker still decides atomically; this only keeps
-the router's ranking and its immediate refusals honest). Draining workers (services/common/drain.py) are
-not placed on, but count as present: `absent_for` measures how long a worker has been missing from both
-lists while Redis answered, which is how a migration notices a worker that vanished without a word.
+the router's ranking and its immediate refusals honest); likewise the items it booked on each encoder
+since that encoder's last heartbeat are added to its queue, less what the encoder drained since. Draining
+workers (services/common/drain.py) are not placed on, but count as present: `absent_for` measures how long
+a worker has been missing from both lists while Redis answered, which is how a migration notices a worker
+that vanished without a word.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.registry import Member, Registry, draining_role
@@ -42,9 +45,37 @@ class WorkerView:
 
 @dataclass(frozen=True)
 class EncoderView:
+    """An encoder's last published load, and this router's estimate of its backlog now (`backlog_ms`)."""
+
     address: str
     queued_tokens: int
     over_budget_ms: int = 0  # how far its queue's expected wait was past its budget (0: it admits)
+    item_ms: float = 0.0  # its measured drain rate (0: an encoder that does not publish one)
+    budget_ms: int = 0  # the longest expected wait it admits
+    backlog_ms: float = 0.0  # its queued items at its drain rate, plus this router's bookings, drained since
+
+    def past_budget_ms(self, items: int) -> int:
+        """How far past its budget the encoder's expected wait would be with `items` more, as the encoder itself
+        judges it (services/encoder/load.py: nothing queued admits anything; else every queued item and these at
+        its drain rate), from this router's estimate of its backlog; 0 when they would be admitted."""
+        if not self.item_ms or not self.budget_ms:
+            return self.over_budget_ms  # an encoder publishing no rate: its own verdict
+        if self.backlog_ms <= 0:
+            return 0
+        return max(0, math.ceil(self.backlog_ms + items * self.item_ms - self.budget_ms))
+
+
+@dataclass
+class _Backlog:
+    """One encoder's backlog as this router reckons it: `ms` of work at time `at` (this router's clock), counted
+    from the heartbeat published at `published_at`, drained at one second a second."""
+
+    published_at: float
+    ms: float
+    at: float
+
+    def now(self, now: float) -> float:
+        return max(0.0, self.ms - 1000 * (now - self.at))
 
 
 @dataclass(eq=False)
@@ -55,13 +86,17 @@ class _Pending:
 
 
 class ClusterView:
-    def __init__(self, registry: Registry, revision: str, interval_s: float = 0.1) -> None:
+    def __init__(
+        self, registry: Registry, revision: str, interval_s: float = 0.1, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._clock = clock  # how long ago this router read each encoder's heartbeat
         self._registry = registry
         self._revision = revision
         self._interval_s = interval_s
         self._workers: list[Member] = []
         self._encoders: list[Member] = []
         self._pending: list[_Pending] = []
+        self._backlogs: dict[str, _Backlog] = {}  # encoder -> its backlog as this router reckons it
         self._absent: dict[str, float] = {}  # worker -> seconds missing from answered refreshes, in a row
         self._answered_at: float | None = None  # the previous refresh's time, when Redis answered it
         self._task: asyncio.Task | None = None
@@ -92,6 +127,13 @@ class ClusterView:
             self._workers = workers
         if encoders is not None:
             self._encoders = encoders
+            now = self._clock()
+            known = self._backlogs
+            self._backlogs = {}
+            for m in encoders:  # a new heartbeat replaces what this router reckoned since the last one
+                same = m.address in known and known[m.address].published_at == m.published_at
+                queued_ms = int(m.state.get("queued_items", 0)) * float(m.state.get("item_ms", 0.0))
+                self._backlogs[m.address] = known[m.address] if same else _Backlog(m.published_at, queued_ms, now)
         # An admission or release stays pending until the worker publishes a state read after it
         # (both times are the worker's own clock, taken from its replies).
         seen = {m.address: float(m.state.get("snapshot_at", m.published_at)) for m in self._workers}
@@ -156,8 +198,31 @@ class ClusterView:
         refreshes Redis answered; 0 while it is listed, or when this router never saw it listed."""
         return self._absent.get(worker, 0.0)
 
+    def note_sent(self, encoder: str, items: int) -> None:
+        """This router booked `items` items on `encoder` (negative: taken back): added to its backlog at its drain
+        rate until its next heartbeat (which counts them itself, once admitted), so a burst sees what it adds."""
+        member = next((m for m in self._encoders if m.address == encoder), None)
+        backlog = self._backlogs.get(encoder)
+        if member is None or backlog is None:
+            return
+        now = self._clock()
+        item_ms = float(member.state.get("item_ms", 0.0))
+        backlog.ms, backlog.at = max(0.0, backlog.now(now) + items * item_ms), now
+
     def encoders(self) -> list[EncoderView]:
-        return [
-            EncoderView(m.address, int(m.state.get("queued_tokens", 0)), int(m.state.get("over_budget_ms", 0)))
-            for m in self._encoders
-        ]
+        now = self._clock()
+        out = []
+        for m in self._encoders:
+            state = m.state
+            backlog = self._backlogs.get(m.address)
+            out.append(
+                EncoderView(
+                    m.address,
+                    int(state.get("queued_tokens", 0)),
+                    int(state.get("over_budget_ms", 0)),
+                    item_ms=float(state.get("item_ms", 0.0)),
+                    budget_ms=int(state.get("budget_ms", 0)),
+                    backlog_ms=backlog.now(now) if backlog is not None else 0.0,
+                )
+            )
+        return out

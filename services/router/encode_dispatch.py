@@ -8,7 +8,11 @@ serves `epd.v1.Encoder`). Bad media (INVALID_ARGUMENT) fails the request at once
 
 Busy encoders: an encoder admits by expected wait and refuses with `epd-overload: wait` when its
 backlog passes its time budget; then the client gets RESOURCE_EXHAUSTED at once, with the encoders'
-`retry-after-ms` (overload is a fast refusal, never pushed onto a worker). A refusal by a count
+`retry-after-ms` (overload is a fast refusal, never pushed onto a worker). Before that, `check_room`
+judges each encoder as it would judge itself, from its heartbeat (queued items, drain rate, budget) plus
+the items this router counted on it since: when none has room the request is refused before any worker
+reserves blocks or any bytes are sent; otherwise its items are counted on their owners at once (a
+`Booking`, taken back when an owner refuses them or the request goes no further). A refusal by a count
 ceiling (`epd-overload: full`) is momentary: the request is held and tried again after the hint,
 for at most `hold_s` in all and never past its deadline, as requests wait for KV blocks.
 """
@@ -26,6 +30,7 @@ from services.common import overload
 from services.common.embedding_cache import EmbeddingCache
 from services.common.placement_hash import group_by_encoder
 from services.common.rpc.epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
+from services.router.admission import Rejection
 from services.router.cluster_view import ClusterView
 from services.router.errors import RequestError, invalid, unavailable
 from services.router.request_record import note_encoder
@@ -44,6 +49,13 @@ class Failure:
     retry_after_ms: int | None = None
     kind: str = ""
     busy: str = ""  # the encoder's own words for its overload (no address: the client may see it)
+
+
+@dataclass
+class Booking:
+    """The items `check_room` counted on their owners' queues for one request, until an owner refuses them."""
+
+    items: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -92,18 +104,35 @@ class EncodeDispatcher:
             if not hit
         ]
 
-    def check_room(self, items: list[encoder_pb2.EncodeItem]) -> None:
+    def check_room(self, items: list[encoder_pb2.EncodeItem]) -> Booking:
         """Refuse at once (RESOURCE_EXHAUSTED, before any worker reserves blocks) when there are items to encode
-        and every registered encoder last published a backlog past its time budget; the encoders still decide
-        (their published state is a heartbeat old)."""
+        and every registered encoder's backlog, as last published plus what this router sent it since, would be
+        past its time budget with them; the encoders still decide (other routers send to them too). Otherwise
+        the items are counted on their owners at once (so requests checked meanwhile see them): pass the booking
+        to `encode_items`, or to `release` when the request goes no further."""
         encoders = self._view.encoders()
-        if items and encoders and all(e.over_budget_ms > 0 for e in encoders):
-            retry_ms = min(e.over_budget_ms for e in encoders)
-            raise RequestError(
+        if not items or not encoders:
+            return Booking()
+        past = [e.past_budget_ms(len(items)) for e in encoders]
+        if all(p > 0 for p in past):
+            raise Rejection(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 "every encoder is busy (its queue's expected wait is past its budget); retry later",
-                ((overload.RETRY_AFTER_KEY, str(max(20, retry_ms))),),
+                "encoders_busy",
+                max(20, min(past)),
             )
+        groups = group_by_encoder([item.ref.mm_hash for item in items], [e.address for e in encoders])
+        booking = Booking({owner: len(indexes) for owner, indexes in groups.items()})
+        for owner, count in booking.items.items():
+            self._view.note_sent(owner, count)
+        return booking
+
+    def release(self, booking: Booking, address: str | None = None) -> None:
+        """Take back what `booking` counted (on `address` only, when given): those items were not admitted."""
+        for owner in [address] if address is not None else list(booking.items):
+            count = booking.items.pop(owner, 0)
+            if count:
+                self._view.note_sent(owner, -count)
 
     async def encode(
         self, request_id: str, refs: list[common_pb2.MediaRef], data: list[bytes], worker: str, deadline: float
@@ -112,9 +141,16 @@ class EncodeDispatcher:
         return await self.encode_items(request_id, await self.uncached(refs, data), worker, deadline)
 
     async def encode_items(
-        self, request_id: str, items: list[encoder_pb2.EncodeItem], worker: str, deadline: float
+        self,
+        request_id: str,
+        items: list[encoder_pb2.EncodeItem],
+        worker: str,
+        deadline: float,
+        booking: Booking | None = None,
     ) -> EncodeReport:
-        """Make the embeddings of `items` (see `uncached`) reach `worker`; returns where the time went."""
+        """Make the embeddings of `items` (see `uncached`; `booking` from `check_room`) reach `worker`; returns
+        where the time went."""
+        booking = booking or Booking()
         report = EncodeReport()
         if not items:
             return report
@@ -123,7 +159,7 @@ class EncodeDispatcher:
         groups = group_by_encoder([item.ref.mm_hash for item in items], encoders) if encoders else {worker: []}
         calls = [
             self._encode_group(
-                request_id, [items[i] for i in indexes] or items, owner, encoders, worker, deadline, report
+                request_id, [items[i] for i in indexes] or items, owner, encoders, worker, deadline, report, booking
             )
             for owner, indexes in groups.items()
         ]
@@ -140,6 +176,7 @@ class EncodeDispatcher:
         worker: str,
         deadline: float,
         report: EncodeReport,
+        booking: Booking,
     ) -> None:
         """Encode on the items' owner (rendezvous hashing: one image meets one encoder cluster-wide),
         failing over to the other encoders, then to the worker itself (co-located encoding)."""
@@ -151,7 +188,7 @@ class EncodeDispatcher:
             held_s = time.monotonic() - held_from  # 0 on the first round
             failures: list[Failure] = []
             for encoder in places:
-                failure = await self._try(encoder, request, deadline, report)
+                failure = await self._try(encoder, request, deadline, report, booking)
                 if failure is None:
                     report.stages.held_s = max(report.stages.held_s, held_s)
                     return
@@ -161,14 +198,16 @@ class EncodeDispatcher:
                 break
             # every encoder is busy: overload is refused, not pushed onto the worker (decode stays flat)
             retry_s = min(hints) / 1000
-            if any(f.kind != overload.FULL for f in failures) or time.monotonic() + retry_s > held_until:
-                raise RequestError(
+            backlog = any(f.kind != overload.FULL for f in failures)
+            if backlog or time.monotonic() + retry_s > held_until:
+                raise Rejection(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"every encoder is busy ({failures[0].busy}); retry later",
-                    ((overload.RETRY_AFTER_KEY, str(max(hints))),),
+                    "encoder_backlog" if backlog else "encoder_full_after_wait",
+                    max(hints),
                 )
             await asyncio.sleep(retry_s)  # a count ceiling: momentary, so the request waits its turn
-        failure = await self._try(worker, request, deadline, report)
+        failure = await self._try(worker, request, deadline, report, booking)
         if failure is None:
             return
         failures.append(failure)
@@ -176,7 +215,12 @@ class EncodeDispatcher:
         raise unavailable(f"no encoder could encode the request's images ({summary})")
 
     async def _try(
-        self, address: str, request: encoder_pb2.EncodeRequest, deadline: float, report: EncodeReport
+        self,
+        address: str,
+        request: encoder_pb2.EncodeRequest,
+        deadline: float,
+        report: EncodeReport,
+        booking: Booking,
     ) -> Failure | None:
         """One Encode call; None on success, the failure when another place may still succeed.
         Bad media and non-retryable statuses raise: no other encoder would do better."""
@@ -190,6 +234,7 @@ class EncodeDispatcher:
             report.add(reply.stages)
             return None
         except grpc.aio.AioRpcError as exc:
+            self.release(booking, address)  # not admitted there (a retry is not counted again)
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise invalid(exc.details()) from exc
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:

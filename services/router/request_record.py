@@ -41,6 +41,7 @@ class RequestRecord:
     worker: str = ""
     encoders: list[str] = field(default_factory=list)
     final: generation_pb2.Final | None = None
+    steps: dict[str, float] = field(default_factory=dict)  # step -> seconds from the start (`note_step`)
 
     @classmethod
     def begin(cls, request: generation_pb2.GenerateRequest, tenant: str, model: str) -> RequestRecord:
@@ -93,6 +94,8 @@ class RequestRecord:
         }
         if refusal:
             line["refusal"] = refusal
+        if self.final is None:  # refused or failed: how far it got, and when
+            line.update({f"{step}_at_s": round(seconds, 6) for step, seconds in self.steps.items()})
         if self.span.is_recording():
             self.span.set_attributes(
                 span_attributes(
@@ -157,6 +160,14 @@ def note_worker(worker: str) -> None:
     record = current()
     if record is not None:
         record.worker = worker
+
+
+def note_step(step: str) -> None:
+    """The current request passed `step` (`intake`, `lookup`, `placed`): a request that ends without a final
+    message (a refusal, a failure) logs each step's time from its start, so its line says where its time went."""
+    record = current()
+    if record is not None:
+        record.steps.setdefault(step, time.perf_counter() - record.start)
 
 
 def note_encoder(encoder: str) -> None:

@@ -40,7 +40,7 @@ from services.router.output import Choices, TokenTexts
 from services.router.relay import Relays
 from services.router.request_blocks import RequestBlocks
 from services.router.request_prep import RequestPrep
-from services.router.request_record import RequestRecord, admission_attributes, note_worker
+from services.router.request_record import RequestRecord, admission_attributes, note_step, note_worker
 from services.router.stream_state import StreamState
 from services.router.tenants import Tenancy, prefix_salt, scope_items
 from services.router.worker_stream import RelayLostError, WorkerStream, open_worker
@@ -193,6 +193,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             prepared = await self._prep.prepare(request)
             intake.set_attribute("epd.items", len(prepared.accounted.refs))
             intake.set_attribute("epd.prompt_tokens", prepared.accounted.prompt_tokens)
+        note_step("intake")
         accounted, sampling = prepared.accounted, prepared.sampling
         self._tenancy.gate.charge(tenant, accounted.projected_tokens)
         scope_items(accounted.refs, tenant, self._tenancy.share_embeddings)
@@ -241,18 +242,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             accounted.n,
         )
         items = await self._dispatcher.uncached(list(accounted.refs), accounted.item_data)
-        self._dispatcher.check_room(items)  # every encoder past its budget: refused before a worker reserves
-        with tracer().start_as_current_span("admission") as placing:  # the worker call opened here is its child
-            admitted = await self._admission.admit(
-                blocks, lambda worker: self._open_worker(worker, worker_request, deadline), deadline
-            )
-            placing.set_attributes(admission_attributes(admitted))
+        note_step("lookup")
+        booking = self._dispatcher.check_room(items)  # no encoder has room: refused before a worker reserves
+        try:
+            with tracer().start_as_current_span("admission") as placing:  # the worker call opened here is its child
+                admitted = await self._admission.admit(
+                    blocks, lambda worker: self._open_worker(worker, worker_request, deadline), deadline
+                )
+                placing.set_attributes(admission_attributes(admitted))
+        except BaseException:
+            self._dispatcher.release(booking)  # its items go to no encoder
+            raise
         note_worker(admitted.worker)
+        note_step("placed")
         self._metrics.queue_seconds.record(admitted.queue_s)
         state.queue_s += admitted.queue_s
         call = admitted.handle
         encode = asyncio.create_task(
-            self._dispatcher.encode_items(worker_request.request_id, items, admitted.worker, deadline)
+            self._dispatcher.encode_items(worker_request.request_id, items, admitted.worker, deadline, booking)
         )
         encode.add_done_callback(lambda task: task.cancelled() or task.exception() is None or call.cancel())
         encode.add_done_callback(lambda task: self._record_encode(task, state))

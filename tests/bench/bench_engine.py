@@ -36,6 +36,7 @@ from services.worker.engine.config import ATTENTION_BACKENDS, EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import EngineRequest, SamplingOptions
 from tests.bench.hf_baseline import run_static_batches
+from tests.bench.step_overhead import measure_step_overhead
 from tests.bench.workload import BenchRequest, Summary, Timeline, make_workload, summarize
 
 
@@ -81,11 +82,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="the engine with and without a JSON-schema constraint on every request (instead of generate)",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="instead of generate: the engine at this tensor-parallel size against TP=1, same run",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="runs of each, alternating; medians reported")
+    parser.add_argument(
+        "--overhead-steps",
+        type=int,
+        default=64,
+        help="decode steps of max-num-seqs sequences timed against the bare forward of the same batch (0: none)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.min_output, args.max_output, args.repeats = min(args.requests, 16), 16, 48, 1
+        args.overhead_steps = min(args.overhead_steps, 16)
     return args
 
 
@@ -217,6 +231,10 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
         encode_images(adapter, engine_model, requests + warmup)
         if args.structured:
             return run_structured(args, adapter, engine_model, requests, warmup)
+        if args.tensor_parallel_size > 1:
+            from tests.bench.bench_tensor_parallel import run_tensor_parallel
+
+            return run_tensor_parallel(args, Path(model_dir), requests, warmup, engine_config(args))
         run_engine(adapter, engine_model, warmup, engine_config(args), args.colocated)
         run_static_batches(adapter, baseline_model, warmup, args.baseline_batch, args.colocated)
         # as the worker does after start-up (services/serve.py): what loading made lives as long as the
@@ -229,6 +247,9 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
             base.append(
                 summarize(run_static_batches(adapter, baseline_model, requests, args.baseline_batch, args.colocated))
             )
+        overhead = None
+        if args.overhead_steps:
+            overhead = measure_step_overhead(adapter, engine_model, requests, engine_config(args), args.overhead_steps)
     images = sum(r.pixels is not None for r in requests)
     encoder = "inside both runs" if args.colocated else "beforehand for both (as the encoder service does)"
     print(
@@ -252,6 +273,14 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
         "ratio": ours_median.tokens_per_s / base_median.tokens_per_s,
         "requests": len(requests),
     }
+    if overhead is not None:
+        print(overhead.line())
+        result.update(
+            engine_step_ms=overhead.engine_step_ms,
+            bare_forward_ms=overhead.bare_forward_ms,
+            overhead_ratio=overhead.ratio,
+            overhead_rows=overhead.rows,
+        )
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
     return result
 

@@ -28,6 +28,15 @@ too; streamed tokens are the usage's count, else the chunks'), and, for the clus
 process alone, not its children) per streamed token: "router CPU ms per token". The client's own CPU seconds are
 in the JSON too (on a small box it competes with the servers). A table, then one JSON line (`--json FILE` writes
 it to a file as well).
+
+Overload: an open-loop rate far above what the cluster serves (`--workloads fresh-image --request-rate 100
+--num-requests 600`, images faster than the encoder's 20 s budget drains) measures how fast refusals come.
+For the cluster it started, the router's `request finished` lines of refused requests give a profile per
+refusal reason (their time in the router, when they passed intake, the cache lookup and placement), and
+after the last workload a leak check waits until nothing is held (tests/bench/leak_check.py: KV blocks
+reserved, requests running or waiting and pinned embeddings at the workers, admitted items, preprocessing
+slots and tower queue at the encoders, requests in flight at the router) and prints what still is;
+`--redis-url` and `--router-metrics-port` give it for a `--base-url` cluster.
 """
 
 from __future__ import annotations
@@ -46,11 +55,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from tests.bench import leak_check
 from tests.bench.openai_stream import Endpoint, Outcome
 from tests.bench.serve_report import figure, ratios, summarize, table
 from tests.bench.workload import WORDS
+
+if TYPE_CHECKING:
+    from services.launch.local import LocalCluster
 
 WORKLOADS = ("text", "fresh-image", "repeated-image")
 
@@ -71,13 +84,18 @@ class Settings:
 
 @dataclass
 class Server:
-    """One server measured: where it is, the model to name, the process whose CPU is counted (0: none)."""
+    """One server measured: where it is, the model to name, the process whose CPU is counted (0: none), and for
+    an epd cluster its registry, router metrics port and router log (JSON lines), read by the leak check and the
+    refusal profile (empty: not known)."""
 
     name: str
     endpoint: Endpoint
     model: str
     pid: int = 0
     started: bool = False
+    redis_url: str = ""
+    router_metrics_port: int = 0
+    router_log: Path | None = None
 
 
 class CpuMeter:
@@ -222,10 +240,15 @@ async def measure_workload(server: Server, bodies: list[dict[str, Any]], setting
     """One workload against one server, its router's CPU counted when its process is known."""
     encoded = _encoded(bodies, server.model)
     meter = CpuMeter(server.pid) if server.pid else None
+    log_from = leak_check.log_size(server.router_log) if server.router_log else 0
     cpu_before, client_before = (meter.seconds() if meter else 0.0), _client_cpu_s()
     outcomes, wall_s = await run_requests(server.endpoint, encoded, settings, random.Random(seed))
     router_cpu = meter.seconds() - cpu_before if meter else None
-    return summarize(outcomes, wall_s, router_cpu, _client_cpu_s() - client_before)
+    figures = summarize(outcomes, wall_s, router_cpu, _client_cpu_s() - client_before)
+    if server.router_log is not None and figures["refused"]:
+        await asyncio.sleep(0.5)  # the router writes a refusal's line as its generator closes
+        figures["refusal_profile"] = leak_check.refusal_profile(server.router_log, log_from)
+    return figures
 
 
 async def measure(servers: list[Server], settings: Settings, workloads: list[str]) -> dict[str, dict[str, dict]]:
@@ -242,15 +265,22 @@ async def measure(servers: list[Server], settings: Settings, workloads: list[str
     return results
 
 
+def check_leaks(server: Server) -> dict[str, Any] | None:
+    """After the load: what `server` (an epd cluster whose registry is known) still holds (leak_check.py)."""
+    if not server.redis_url:
+        return None
+    return leak_check.wait_until_idle(server.redis_url, server.router_metrics_port)
+
+
 def _exit_on_sigterm(_signum: int, _frame: object) -> None:
     raise SystemExit(143)
 
 
 @contextlib.contextmanager
-def local_cluster(startup_timeout_s: float = 180.0, model_dir: Path | None = None) -> Iterator[tuple[str, int]]:
+def local_cluster(startup_timeout_s: float = 180.0, model_dir: Path | None = None) -> Iterator[LocalCluster]:
     """A local epd cluster with default settings (private Redis, `model_dir` or a tiny model in a temporary
-    folder, router HTTP on a free port); yields its base URL and the router's pid, and stops everything on the
-    way out (SIGTERM becomes an exit, so a terminated bench stops it too)."""
+    folder, router HTTP on a free port, logs as JSON lines for the refusal profile); yields it, and stops
+    everything on the way out (SIGTERM becomes an exit, so a terminated bench stops it too)."""
     from services.launch.local import ClusterSpec, free_port, start_cluster
     from services.models.tiny_model import make_tiny_model
     from tests.redis_server import RedisServer
@@ -265,12 +295,12 @@ def local_cluster(startup_timeout_s: float = 180.0, model_dir: Path | None = Non
                 model,
                 redis_url=redis.url,
                 free_ports=True,
-                env={"EPD_HTTP_PORT": str(free_port())},
+                env={"EPD_HTTP_PORT": str(free_port()), "EPD_LOG_FORMAT": "json"},
                 log_dir=Path(tmp) / "logs",
             )
             cluster = start_cluster(spec, timeout_s=startup_timeout_s)
             try:
-                yield cluster.http_url, cluster.router.popen.pid
+                yield cluster
             finally:
                 cluster.stop()
     finally:
@@ -288,6 +318,42 @@ def _server(name: str, url: str, model: str, pid: int, api_key: str, started: bo
     return Server(name, endpoint, model, pid, started)
 
 
+def cluster_server(cluster: LocalCluster, api_key: str = "") -> Server:
+    """The local cluster `local_cluster` started, as the server measured: its router's CPU counted, its
+    registry, metrics and log known (the leak check and the refusal profile)."""
+    server = _server("ours", cluster.http_url, "", cluster.router.popen.pid, api_key, started=True)
+    server.redis_url = cluster.redis_url
+    server.router_metrics_port = cluster.router.metrics_port
+    server.router_log = cluster.router.log_path
+    return server
+
+
+def profile_lines(workload: str, figures: dict[str, Any]) -> list[str]:
+    """Where the refused requests of a workload spent their time in the router, by refusal reason."""
+    lines = []
+    for reason, p in (figures.get("refusal_profile") or {}).items():
+        steps = ", ".join(
+            f"{step.removesuffix('_at_s')} at p50 {p[step.removesuffix('_s') + '_p50_ms']:.1f} / "
+            f"p99 {p[step.removesuffix('_s') + '_p99_ms']:.1f} ms"
+            for step in leak_check.STEPS
+            if step.removesuffix("_s") + "_p50_ms" in p
+        )
+        lines.append(
+            f"ours {workload}: {p['count']} refused '{reason}', in the router p50 {p['router_p50_ms']:.1f} ms "
+            f"p99 {p['router_p99_ms']:.1f} ms" + (f"; passed {steps}" if steps else "")
+        )
+    return lines
+
+
+def leak_line(leaks: dict[str, Any]) -> str:
+    """The leak check's verdict in one line."""
+    state = leaks["state"]
+    held = ", ".join(f"{k} {v}" for k, v in state.items())
+    if leaks["leaked"]:
+        return f"leak check: STILL HELD after {leaks['waited_s']} s: {leaks['leaked']} ({held})"
+    return f"leak check: nothing held {leaks['waited_s']} s after the load ({held})"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="epd bench serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -295,6 +361,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--base-url", default="", help="a running server (default: start a local epd cluster)")
     parser.add_argument("--model", default="", help="the model name to send (default: the first /v1/models lists)")
     parser.add_argument("--router-pid", type=int, default=0, help="the --base-url server's process, for its CPU")
+    parser.add_argument("--redis-url", default="", help="the --base-url cluster's registry, for the leak check")
+    parser.add_argument("--router-metrics-port", type=int, default=0, help="the --base-url router's metrics port")
     parser.add_argument("--compare-url", default="", help="a second server measured in the same run")
     parser.add_argument("--compare-model", default="", help="the model name for --compare-url")
     parser.add_argument("--compare-pid", type=int, default=0, help="the --compare-url server's process")
@@ -345,14 +413,16 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
     )
     with contextlib.ExitStack() as stack:
-        base_url, pid, started = args.base_url, args.router_pid, False
-        if not base_url:
-            base_url, pid = stack.enter_context(local_cluster())
-            started = True
-        servers = [_server("ours", base_url, args.model, pid, args.api_key, started)]
+        if args.base_url:
+            ours = _server("ours", args.base_url, args.model, args.router_pid, args.api_key)
+            ours.redis_url, ours.router_metrics_port = args.redis_url, args.router_metrics_port
+        else:
+            ours = cluster_server(stack.enter_context(local_cluster()), args.api_key)
+        servers = [ours]
         if args.compare_url:
             servers.append(_server("theirs", args.compare_url, args.compare_model, args.compare_pid, args.api_key))
         results = asyncio.run(measure(servers, settings, args.workloads))
+        leaks = check_leaks(ours)
     load = f"rate {settings.request_rate:g}/s" if settings.request_rate > 0 else f"concurrency {settings.concurrency}"
     print(
         f"{settings.num_requests} requests per workload, {load}, {settings.max_tokens} tokens each (eos ignored), "
@@ -361,6 +431,11 @@ def main(argv: list[str] | None = None) -> int:
     for s in servers:
         print(f"{s.name}: {s.endpoint.url} model {s.model}" + (f", router pid {s.pid}" if s.pid else ""))
     print(table(results))
+    for workload, f in results["ours"].items():
+        for line in profile_lines(workload, f):
+            print(line)
+    if leaks is not None:
+        print(leak_line(leaks))
     out: dict[str, Any] = {
         "settings": {**asdict(settings), "workloads": args.workloads},
         "target": {
@@ -370,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
             "started_cluster": servers[0].started,
         },
         "workloads": results["ours"],
+        "leak_check": leaks,
         "compare": None,
         "ratios": None,
     }

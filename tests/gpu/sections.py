@@ -19,6 +19,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import EngineRequest, SamplingOptions
 from tests.gpu import workload as w
+from tests.gpu.structured import structured
 from tests.gpu.tensor_parallel import tensor_parallel
 
 
@@ -349,5 +350,5 @@ def _cumsum(values: list[int]) -> list[int]:
     return out
 
 
-SECTIONS = {"env": env, "kernel": kernel, "exactness": exactness, "decode": decode, "vision": vision,
-            "tensor_parallel": tensor_parallel}  # fmt: skip
+SECTIONS = {"env": env, "kernel": kernel, "exactness": exactness, "structured": structured, "decode": decode,
+            "vision": vision, "tensor_parallel": tensor_parallel}  # fmt: skip

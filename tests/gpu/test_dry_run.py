@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCKED = ("PIL", "grpc", "redis", "opentelemetry")
-SECTIONS = ("env", "kernel", "exactness", "decode", "vision", "tensor_parallel")
+SECTIONS = ("env", "kernel", "exactness", "structured", "decode", "vision", "tensor_parallel")
 
 
 def _last_json(output: str) -> dict:
@@ -37,6 +37,9 @@ def _check(name: str, section: dict) -> None:
             result = section[variant]
             assert result["exact"] + result["ties"] == result["requests"] == 16 and result["wrong"] == [], variant
         assert section["flash_reference_graphs"]["graph_steps"] > 0
+    if name == "structured":  # xgrammar is installed here (not on the GPU machines: skipped there)
+        assert section["plain_rows_unchanged"] == section["constrained_rows"] == section["rows"] // 2
+        assert section["constrained_rows_valid"] == section["constrained_rows"] and section["structured_ratio"] > 0
     if name == "tensor_parallel":  # two gloo ranks on the CPU: fp32 tokens equal TP=1's
         assert (
             section["equal"] == section["requests"] > 0

@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 import httpx
 import openai
+import pydantic
 import pytest
 import xgrammar as xgr
 from PIL import Image
@@ -577,6 +578,30 @@ def test_tool_calls_with_required_and_named_choices_parse_into_the_clients_objec
     after = api.openai.chat.completions.create(**base | {"messages": turns, "max_tokens": 8}, tools=[WEATHER_TOOL])
     assert after.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert after.usage.prompt_tokens > auto.usage.prompt_tokens  # the call and its result are in the prompt
+
+
+class GetWeather(pydantic.BaseModel):
+    """The weather in a city."""
+
+    city: str = pydantic.Field(max_length=10)
+
+
+def test_the_clients_pydantic_tools_parse_into_typed_arguments_streamed_and_not(api: Api) -> None:
+    """The official client's own strict tool (`openai.pydantic_function_tool`) under `tool_choice` "required" and
+    named: `chat.completions.parse` and `chat.completions.stream` both give the call's arguments as the
+    client's typed object (`parsed_arguments`, a `GetWeather`), the same streamed and not."""
+    tool = openai.pydantic_function_tool(GetWeather)
+    base = dict(model=api.model, messages=chat("What is the weather in Paris?"), max_tokens=96, temperature=0)
+    for choice in ("required", {"type": "function", "function": {"name": "GetWeather"}}):
+        whole = api.openai.chat.completions.parse(**base, tools=[tool], tool_choice=choice)
+        assert whole.choices[0].finish_reason == "tool_calls", whole
+        (call,) = whole.choices[0].message.tool_calls
+        assert call.function.name == "GetWeather" and isinstance(call.function.parsed_arguments, GetWeather)
+        with api.openai.chat.completions.stream(**base, tools=[tool], tool_choice=choice) as stream:
+            streamed = stream.get_final_completion()
+        (again,) = streamed.choices[0].message.tool_calls
+        assert again.function.parsed_arguments == call.function.parsed_arguments
+        assert streamed.choices[0].finish_reason == "tool_calls"
 
 
 def test_sixteen_concurrent_constrained_requests_equal_generate_with_xgrammar(api: Api) -> None:

@@ -45,6 +45,9 @@ from tests.reliability_support import (
 )
 
 STREAMS, TOKENS = 16, 160
+CONSTRAINED = [i for i in range(STREAMS) if i % 4 in (1, 2)]
+"""The kill test's requests held to a JSON schema: half, in pairs, so whichever way placement alternates between
+the two workers each holds some of them."""
 
 
 @dataclass
@@ -81,10 +84,11 @@ def _all_serving(s: Supervised) -> None:
 
 
 def _requests(salt: str) -> list[generation_pb2.GenerateRequest]:
-    """The kill test's requests: every other one holds its output to a JSON schema it cannot finish in TOKENS."""
+    """The kill test's requests: those in CONSTRAINED hold their output to a JSON schema they cannot finish in
+    TOKENS."""
     requests = [image_request(i, TOKENS, salt=salt) for i in range(STREAMS)]
-    for request in requests[1::2]:
-        request.sampling.json_schema = json.dumps(STRUCTURED_SCHEMA)
+    for i in CONSTRAINED:
+        requests[i].sampling.json_schema = json.dumps(STRUCTURED_SCHEMA)
     return requests
 
 
@@ -92,7 +96,8 @@ def test_worker_killed_mid_stream_every_request_completes_unchanged(
     supervised: Supervised, tiny_model_dir: Path
 ) -> None:
     """Worker kill: 16 concurrent greedy image requests (half of them constrained by a JSON schema), kill -9 of
-    a worker once every stream has tokens; the constrained outputs are still what the schema allows."""
+    a worker once every stream has tokens; the constrained outputs, migrated ones among them, are still what the
+    schema allows."""
     cluster = supervised.cluster
     _all_serving(supervised)
     calm = run_all([cluster.address], _requests("calm"))
@@ -122,9 +127,10 @@ def test_worker_killed_mid_stream_every_request_completes_unchanged(
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer, len(tokenizer), [tokenizer.eos_token_id]))
     schema = compiler.compile_json_schema(json.dumps(STRUCTURED_SCHEMA), any_whitespace=False)
-    for moved in disturbed[1::2]:
+    for moved in [disturbed[i] for i in CONSTRAINED]:
         matcher = xgr.GrammarMatcher(schema)
         assert all(matcher.accept_token(t) for t in moved.token_ids), f"request {moved.index} left its schema"
+    assert sum(disturbed[i].migrations for i in CONSTRAINED) > 0  # a constrained stream continued elsewhere
     by_reason = metric_by_label(cluster.router.metrics_port, "epd_migrations_total", "reason")
     assert sum(by_reason.values()) - before == migrated, by_reason
     _all_serving(supervised)  # the supervisor started it again; no block stays reserved, used or pinned

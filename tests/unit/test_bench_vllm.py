@@ -119,6 +119,14 @@ def test_parse_args_refuses_repeated_images_without_fresh_ones() -> None:
         parse_args(["--workloads", "text,repeated-image"])
 
 
+def test_servers_are_both_or_epd_alone() -> None:
+    assert parse_args([]).servers == ["epd", "vllm"]
+    assert parse_args(["--servers", "epd", "--clients", "vllm"]).servers == ["epd"]
+    for wrong in ("vllm", "epd,sglang"):
+        with pytest.raises(SystemExit):
+            parse_args(["--servers", wrong])
+
+
 META = """import functools
 
 import torch

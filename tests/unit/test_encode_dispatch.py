@@ -119,3 +119,49 @@ def test_every_encoder_past_its_budget_refuses_before_any_call(cache: EmbeddingC
     states["e2"]["over_budget_ms"] = 0
     asyncio.run(view.refresh())
     dispatcher.check_room([item])  # e2 admits again
+
+
+def test_the_router_counts_what_it_booked_since_the_encoders_heartbeat() -> None:
+    """An encoder publishing its queue, drain rate and budget is judged as it judges itself, with the items this
+    router booked on it since that heartbeat added (each request's at once, so requests checked meanwhile see
+    them) and what it drained since taken off: a burst is refused at the router once its own bookings would pass
+    the budget, before any worker or encoder call; a booking given back no longer counts, and the next heartbeat
+    (which counts admitted items itself) replaces them."""
+    from services.common.registry import Member
+
+    published = {"at": 1.0, "state": {"queued_items": 0, "item_ms": 100.0, "budget_ms": 1000, "over_budget_ms": 0}}
+
+    class Published:
+        def members(self, role: str, revision: str | None = None) -> list[Member]:
+            if role != "encoder":
+                return []
+            return [Member("encoder", "e1", "r", dict(published["state"]), published["at"])]
+
+    now = [100.0]
+    view = ClusterView(Published(), "r", clock=lambda: now[0])  # type: ignore[arg-type]
+    asyncio.run(view.refresh())
+    dispatcher = EncodeDispatcher(view, None, lambda _: None, [])  # type: ignore[arg-type, return-value]
+
+    def items(n: int) -> list[encoder_pb2.EncodeItem]:
+        return [encoder_pb2.EncodeItem(ref=common_pb2.MediaRef(mm_hash=f"h{i}", num_tokens=4)) for i in range(n)]
+
+    first = dispatcher.check_room(items(3))  # nothing queued: anything is admitted; 3 booked
+    assert first.items == {"e1": 3}
+    dispatcher.check_room(items(5))  # (3 + 5) x 100 ms = 0.8 s: within the budget
+    with pytest.raises(RequestError) as info:
+        dispatcher.check_room(items(3))  # (8 + 3) x 100 ms = 1.1 s
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and info.value.reason == "encoders_busy"
+    assert dict(info.value.metadata)["retry-after-ms"] == "100"  # how far past the budget
+    dispatcher.release(first)  # that request went no further
+    dispatcher.check_room(items(3))  # (5 + 3) x 100 ms
+    now[0] += 0.15  # the encoder drained 150 ms of its queue since this router read its heartbeat
+    with pytest.raises(RequestError):
+        dispatcher.check_room(items(4))  # (8 + 4) x 100 - 150 ms
+    dispatcher.check_room(items(3))  # (8 + 3) x 100 - 150 ms
+    published.update(at=2.0, state={**published["state"], "queued_items": 3})  # its next heartbeat
+    asyncio.run(view.refresh())
+    dispatcher.check_room(items(2))  # (3 + 2) x 100 ms: what it reports replaces what was booked
+    with pytest.raises(RequestError):
+        dispatcher.check_room(items(6))  # (3 + 2 + 6) x 100 ms
+    now[0] += 60.0  # no heartbeat for a minute (Redis down, say): what was booked has drained meanwhile
+    dispatcher.check_room(items(6))

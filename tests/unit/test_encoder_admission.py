@@ -50,6 +50,8 @@ def test_admission_is_all_or_nothing_and_gives_everything_back() -> None:
                 "batch_queue_tokens": 0,
                 "expected_wait_ms": 0,
                 "over_budget_ms": 0,
+                "item_ms": 50.0,  # the prior rate (nothing encoded yet), for the router's own estimate
+                "budget_ms": 60_000,
             }
 
     run(go())

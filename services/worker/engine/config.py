@@ -104,7 +104,10 @@ class EngineConfig:
         default=1, metadata={"help": "devices (rank processes) the language model is sharded over, 1-8"}
     )
     tensor_parallel_timeout_s: float = field(
-        default=60.0, metadata={"help": "longest a tensor-parallel collective or rank start-up may take"}
+        default=60.0, metadata={"help": "longest a collective between tensor-parallel ranks may take"}
+    )
+    tensor_parallel_start_timeout_s: float = field(
+        default=900.0, metadata={"help": "longest a tensor-parallel rank may take to load its shard and join"}
     )
 
     def __post_init__(self) -> None:
@@ -153,8 +156,9 @@ class EngineConfig:
             check_size(self.tensor_parallel_size)
         except ValueError as exc:
             raise ValueError(f"{name('tensor_parallel_size')}: {exc}") from None
-        if not self.tensor_parallel_timeout_s > 0:
-            raise ValueError(f"{name('tensor_parallel_timeout_s')} must be positive")
+        for key in ("tensor_parallel_timeout_s", "tensor_parallel_start_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"{name(key)} must be positive, got {getattr(self, key)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"{name('dtype')} must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 

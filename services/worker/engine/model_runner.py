@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +72,7 @@ class ModelRunner:
             self.config = config = dataclasses.replace(config, kv_cache_bytes=self.kv_bytes_after_warm_up())
         self.num_blocks, self.kv = self.allocate_kv(config.kv_cache_bytes)
         self.graphs = self.capture_graphs()
+        self.last_chunks: list[ScheduledChunk] = []  # the last step's (a benchmark reruns them: staged_forward)
         log.info(
             "attention backend %s on %s (%s): %d KV blocks of %d tokens, decode graphs %s",
             config.attention_backend,
@@ -145,6 +147,7 @@ class ModelRunner:
 
         Decode-only steps go through the decode graphs when there are any; the rest run eagerly.
         """
+        self.last_chunks = chunks
         bucket = self.graphs.bucket_for(chunks) if self.graphs is not None else None
         if bucket is not None:
             step = build_step_input(chunks, self.block_size, embeddings, self.graphs.padding(bucket, len(chunks)))
@@ -156,14 +159,33 @@ class ModelRunner:
         self.backend.lay_out(step)
         step.close()
         packed = self.io.upload(step.ints, torch.int64)
-        hidden = self._hidden(step, packed)
-        rows = packed[step.sample_at : step.sample_at + len(step.sample_rows)]
-        return RunOutput(step.sampled, self.adapter.compute_logits(self.model, hidden.index_select(0, rows)))
+        return RunOutput(step.sampled, self._sampled_logits(step, packed, self.backend.context(step, packed, self.kv)))
 
-    def _hidden(self, step: StepInput, packed: torch.Tensor) -> torch.Tensor:
-        """Last hidden states ``[T, hidden]`` of every row of ``step`` (``packed``: its ints on the device)."""
-        n = step.num_tokens
+    @torch.inference_mode()
+    def staged_forward(self, chunks: list[ScheduledChunk], embeddings: EmbeddingPool) -> Callable[[], torch.Tensor]:
+        """The eager step of ``chunks`` laid out, uploaded and given its attention context now, and the call that
+        runs only the model on it (embedding, language model with its attention over the KV, the head at the rows
+        that sample), returning those logits: a step without scheduling, metadata, sampling or outputs, which
+        `epd bench engine` times as the bare forward. Each call rewrites the chunks' K/V into their slots, so give
+        it chunks already computed (``last_chunks``): it writes the same values again."""
+        step = build_step_input(chunks, self.block_size, embeddings)
+        self.backend.lay_out(step)
+        step.close()
+        packed = self.io.upload(step.ints, torch.int64)
         ctx = self.backend.context(step, packed, self.kv)
+        return torch.inference_mode()(lambda: self._sampled_logits(step, packed, ctx))
+
+    def _sampled_logits(self, step: StepInput, packed: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """Logits ``[N, vocab]`` of the rows of ``step`` that sample (``packed``: its ints on the device)."""
+        rows = packed[step.sample_at : step.sample_at + len(step.sample_rows)]
+        return self.adapter.compute_logits(self.model, self._hidden(step, packed, ctx).index_select(0, rows))
+
+    def _hidden(self, step: StepInput, packed: torch.Tensor, ctx: Any = None) -> torch.Tensor:
+        """Last hidden states ``[T, hidden]`` of every row of ``step`` (``packed``: its ints on the device; ``ctx``
+        its attention context, built here when None)."""
+        n = step.num_tokens
+        if ctx is None:
+            ctx = self.backend.context(step, packed, self.kv)
         embeds = self.adapter.embed_prompt(self.model, packed[:n], step.placed)
         media = media_forward_kwargs(self.adapter, step.placed, n)  # DeepStack levels of the step's media rows
         position_ids = packed[2 * n : 5 * n].view(3, 1, n)

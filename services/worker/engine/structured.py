@@ -121,6 +121,11 @@ class StepMask:
         """Whether the grammar of ``rows[i]`` allows ``token`` now."""
         return bool((int(self._words[self.source[i], token >> 5]) >> (token & 31)) & 1)
 
+    def allowed(self, tokens: list[int]) -> list[bool]:
+        """``allows(i, tokens[i])`` for every constrained row ``i``, in one lookup."""
+        ids = numpy.asarray(tokens, dtype=numpy.int64)
+        return ((self._words[self.source, ids >> 5] >> (ids & 31)) & 1).astype(bool).tolist()
+
     def only_stop_allowed(self, i: int) -> bool:
         """True when row ``rows[i]``'s grammar allows no token but the stop tokens (the grammar is complete)."""
         words = self._words[self.source[i]].copy()
@@ -199,9 +204,9 @@ class StructuredOutputs:
         accept their tokens on the grammar thread, before any later fill."""
         verdicts: dict[int, str] = {}
         matchers, accepted = [], []
-        for i, row in enumerate(mask.rows):
-            state, token = mask.states[i], tokens[row]
-            if state.refused is not None or not mask.allows(i, token):
+        picked = [tokens[row] for row in mask.rows]
+        for row, state, token, allowed in zip(mask.rows, mask.states, picked, mask.allowed(picked), strict=True):
+            if state.refused is not None or not allowed:
                 verdicts[row] = REFUSED
             elif token in self._stops:
                 verdicts[row] = STOPPED

@@ -39,11 +39,14 @@ class Collectives:
         self.group.allreduce([tensor]).wait()
         return tensor
 
-    def all_reduce_min(self, value: int) -> int:
-        """The smallest of every rank's ``value``."""
+    def all_reduce_min(self, value: int, timeout_s: float | None = None) -> int:
+        """The smallest of every rank's ``value`` (within ``timeout_s`` when given, else the group's timeout:
+        the start-up's agreement waits for ranks still loading)."""
         tensor = torch.tensor([value], dtype=torch.int64)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MIN
+        if timeout_s is not None:
+            options.timeout = datetime.timedelta(seconds=timeout_s)
         self.group.allreduce([tensor], options).wait()
         return int(tensor.item())
 

@@ -4,7 +4,8 @@ its shard and runs the steps rank 0 sends; rank 0 watches them, and a rank lost 
 Start-up: each rank loads the model and reports it (or its failure, which fails the worker's start with one
 line naming the rank); then all join one process group (gloo on the CPU, NCCL on CUDA) through a TCPStore rank
 0 serves on the loopback; each shards, agrees on the KV block count and (CUDA) captures its decode graphs
-together with the others, and reports ready. A rank that exits later, or a collective that fails or passes
+together with the others, and reports ready, each stage within ``tensor_parallel_start_timeout_s``. A rank
+that exits later, or a collective that fails or passes
 ``tensor_parallel_timeout_s``, is a lost rank: every rank is killed and ``on_lost`` runs (by default the worker
 exits a second later, once its failed streams ended: its supervisor restarts it, its routers migrate what ran
 there). Ranks die with rank 0 (PDEATHSIG, and a check of their parent while they wait for a step).
@@ -77,13 +78,14 @@ class RankGroup:
     def __init__(self, model_dir: str, config: EngineConfig) -> None:
         self.size = size = config.tensor_parallel_size
         self.timeout_s = config.tensor_parallel_timeout_s
+        self.start_timeout_s = config.tensor_parallel_start_timeout_s
         self.on_lost: Callable[[str], None] = exit_soon
         self._stopping = threading.Event()
         self._lost_once = threading.Lock()
         context = multiprocessing.get_context("spawn")
         self._events = [context.Event() for _ in range(size - 1)]
         self.channel = StepChannel.create(self._events)
-        self._store = dist.TCPStore(STORE_HOST, 0, size, is_master=True, timeout=_td(self.timeout_s),
+        self._store = dist.TCPStore(STORE_HOST, 0, size, is_master=True, timeout=_td(self.start_timeout_s),
                                     wait_for_workers=False)  # fmt: skip
         self.processes: list[Any] = []
         self._conns: list[Connection] = []
@@ -112,10 +114,12 @@ class RankGroup:
         """Each rank's report of ``stage``; RankStartError naming the first rank that failed or exited instead."""
         for rank, (conn, process) in enumerate(zip(self._conns, self.processes, strict=True), start=1):
             while True:
-                ready = wait([conn, process.sentinel], timeout=self.timeout_s)
+                ready = wait([conn, process.sentinel], timeout=self.start_timeout_s)
                 if not ready:
                     self.stop()
-                    raise RankStartError(f"tensor-parallel rank {rank} did not report {stage} in {self.timeout_s}s")
+                    raise RankStartError(
+                        f"tensor-parallel rank {rank} did not report {stage} in {self.start_timeout_s}s"
+                    )
                 report = _recv(conn) if conn in ready else None
                 if report is None:
                     process.join(1)
@@ -191,7 +195,7 @@ def rank_main(spec: RankSpec, conn: Connection, events: list[Any]) -> None:
         plan = ShardPlan.of_config(model.config, spec.size)
         conn.send(("loaded", None))
         store = dist.TCPStore(STORE_HOST, spec.store_port, spec.size, is_master=False,
-                              timeout=_td(config.tensor_parallel_timeout_s))  # fmt: skip
+                              timeout=_td(config.tensor_parallel_start_timeout_s))  # fmt: skip
         device = rank_device(config.device, spec.rank)
         group = Collectives.create(store, spec.rank, spec.size, device, config.tensor_parallel_timeout_s)
         shard_language_model(model, plan, spec.rank, group)

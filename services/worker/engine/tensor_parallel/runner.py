@@ -66,7 +66,9 @@ class ShardRunner(ModelRunner):
     def allocate_kv(self, kv_bytes: int) -> tuple[int, Any]:
         block_bytes = self.shape.block_bytes(self.block_size, self.dtype)
         scratch = 0 if self.config.cuda_graphs == "off" else 1
-        agreed = self.group.all_reduce_min(kv_bytes // block_bytes - scratch)
+        agreed = self.group.all_reduce_min(
+            kv_bytes // block_bytes - scratch, self.config.tensor_parallel_start_timeout_s
+        )
         return super().allocate_kv((max(agreed, 0) + scratch) * block_bytes)
 
     @torch.inference_mode()
