@@ -10,6 +10,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+from services.models import deepstack
 from tests.bench.workload import BenchRequest, Timeline
 
 
@@ -68,8 +69,7 @@ def _generate(adapter: Any, model: Any, batch: list[BenchRequest], clock: _StepC
         if colocated:
             extra["pixel_values"] = torch.cat([r.pixels.pixel_values for r in images])
         else:
-            embeddings = tuple(r.embedding for r in images)
-            extra["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=embeddings)}
+            extra["mm_encoder_outputs"] = {"image": _encoder_outputs(adapter, [r.embedding for r in images])}
     config = copy.deepcopy(model.generation_config)
     config.update(eos_token_id=[], do_sample=False, pad_token_id=pad, max_new_tokens=max(r.max_tokens for r in batch))
     with torch.inference_mode():
@@ -81,3 +81,17 @@ def _generate(adapter: Any, model: Any, batch: list[BenchRequest], clock: _StepC
             streamer=clock,
             **extra,
         )
+
+
+def _encoder_outputs(adapter: Any, embeddings: list[torch.Tensor]) -> Any:
+    """The tower's outputs `generate` takes for our embeddings: the projected rows, and for a layout with DeepStack
+    levels (services/models/deepstack.py; Qwen3-VL) each level's rows as `deepstack_features`."""
+    hidden = int(adapter.hidden_size)
+    levels = int(adapter.embedding_width) // hidden - 1
+    mains = tuple(deepstack.main_rows(e, hidden) for e in embeddings)
+    if not levels:
+        return BaseModelOutputWithPooling(pooler_output=mains)
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+    features = [tuple(deepstack.level_rows(e, hidden, k) for e in embeddings) for k in range(levels)]
+    return BaseModelOutputWithDeepstackFeatures(pooler_output=mains, deepstack_features=features)
