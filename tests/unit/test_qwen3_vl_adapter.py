@@ -236,3 +236,20 @@ def test_video_is_not_taken(qwen3: tuple[Qwen3VLAdapter, Any, Path], tiny_model_
     assert not supports_video(adapter) and supports_video(load_adapter(tiny_model_dir))
     assert placeholder_token_id(adapter, "image") == adapter.image_token_id
     assert adapter.processor_settings()["video"] is None
+
+
+def test_encode_through_get_image_features_when_the_tower_takes_no_plan(
+    qwen3: tuple[Qwen3VLAdapter, Any, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tower that derives its inputs itself (an older transformers) goes through `get_image_features`: the same
+    joined rows, every level included."""
+    from services.models import qwen3_vl
+
+    adapter, model, _ = qwen3
+    inputs = [adapter.preprocess(_image(w, h, i)) for i, (w, h) in enumerate([(300, 200), (64, 400)])]
+    planned = adapter.encode(model, inputs)
+    monkeypatch.setattr(qwen3_vl, "tower_takes_plan", lambda tower_type: False)
+    derived = adapter.encode(model, inputs)
+    for a, b in zip(planned, derived, strict=True):
+        assert a.shape == b.shape == (a.shape[0], 3 * adapter.hidden_size)
+        assert torch.allclose(a, b, atol=1e-5, rtol=0)
