@@ -15,11 +15,11 @@
 #include <string.h>
 
 #define BS 16 /* tokens per block */
-#define HALF 8 /* lanes per vector: a block's 16 tokens are two of them */
+#define HALF 8 /* lanes per vector: a block's 16 tokens are two vectors */
 
-/* 8-lane vectors are one register on AVX2 and wider machines; 16-lane ones, without AVX-512, went through the
- * stack on every operation (GCC 12, znver1: the kernel ran ~5x slower). Each lane's arithmetic, and the order
- * of every sum, is the same as with one 16-lane vector per block. */
+/* 8-lane vectors are one register on AVX2 and on wider machines. 16-lane ones went through the stack on every
+ * operation without AVX-512 (GCC 12 for znver1), which made the kernel 2-3x slower there. Each lane's
+ * arithmetic and the order of every sum are those of one 16-lane vector per block. */
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 
@@ -52,7 +52,7 @@ static void softmax_scores(const float *qq, const float *k_head, const int64_t *
     v8f ml = splat(-1e30f), mh = ml;
     for (int64_t j = 0; j < nblocks; j++) {
         const float *kt = k_head + table[j] * head_dim * BS;
-        v8f s0l = splat(0.0f), s0h = s0l, s1l = s0l, s1h = s0l; /* two chains: head_dim is even */
+        v8f s0l = splat(0.0f), s0h = s0l, s1l = s0l, s1h = s0l; /* two chains per half: head_dim is even */
         for (int64_t d = 0; d < head_dim; d += 2) {
             const float q0 = qq[d], q1 = qq[d + 1];
             s0l += q0 * load(kt + d * BS);
