@@ -223,6 +223,7 @@ def _up_ray(args: argparse.Namespace) -> int:
             http_port=args.http_port,
             ready_timeout_s=args.startup_timeout,
             env={"EPD_DEVICE": device, **worker_settings(args)},
+            gpus_per_worker=float(getattr(args, "tensor_parallel_size", 1)),  # one GPU per rank
         )
     except RayLaunchError as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 STORE_HOST = "127.0.0.1"
 """Where the ranks meet: they are one worker's processes on one node."""
 _PR_SET_PDEATHSIG = 1
+STORE_MIN_TIMEOUT_S = 60.0
 
 
 class RankStartError(RuntimeError):
@@ -85,7 +86,7 @@ class RankGroup:
         context = multiprocessing.get_context("spawn")
         self._events = [context.Event() for _ in range(size - 1)]
         self.channel = StepChannel.create(self._events)
-        self._store = dist.TCPStore(STORE_HOST, 0, size, is_master=True, timeout=_td(self.start_timeout_s),
+        self._store = dist.TCPStore(STORE_HOST, 0, size, is_master=True, timeout=_td(_store_timeout(config)),
                                     wait_for_workers=False)  # fmt: skip
         self.processes: list[Any] = []
         self._conns: list[Connection] = []
@@ -195,7 +196,7 @@ def rank_main(spec: RankSpec, conn: Connection, events: list[Any]) -> None:
         plan = ShardPlan.of_config(model.config, spec.size)
         conn.send(("loaded", None))
         store = dist.TCPStore(STORE_HOST, spec.store_port, spec.size, is_master=False,
-                              timeout=_td(config.tensor_parallel_start_timeout_s))  # fmt: skip
+                              timeout=_td(_store_timeout(config)))  # fmt: skip
         device = rank_device(config.device, spec.rank)
         group = Collectives.create(store, spec.rank, spec.size, device, config.tensor_parallel_timeout_s)
         shard_language_model(model, plan, spec.rank, group)
@@ -214,6 +215,12 @@ def _recv(conn: Connection) -> Any:
         return conn.recv()
     except (EOFError, OSError):
         return None
+
+
+def _store_timeout(config: EngineConfig) -> float:
+    """The start-up TCPStore's bound on each of its calls (connecting included): the start timeout, but never so
+    short that a loaded machine cannot connect to its own loopback."""
+    return max(config.tensor_parallel_start_timeout_s, STORE_MIN_TIMEOUT_S)
 
 
 def _td(seconds: float) -> datetime.timedelta:
