@@ -111,6 +111,11 @@ class Heartbeat:
         self._interval_s = interval_s
         self._task: asyncio.Task | None = None
 
+    @property
+    def role(self) -> str:
+        """The role it publishes under now."""
+        return self._role
+
     async def start(self) -> bool:
         """Publish once, awaited (a service turns its health SERVING after this, so whoever sees it healthy
         can find it in the registry), then every `interval_s` on a background task. False when the first

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from services.common.kv_layout import KVLayout
 from services.common.registry import Member, Registry, draining_role
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ class WorkerView:
     waiting: int
     block_size: int
     enable_prefix_caching: bool = True  # later choices of a request share choice 0's prompt blocks
+    worker_role: str = "both"  # services/common/kv_layout.py WORKER_ROLES
+    kv_layout: KVLayout | None = None  # what its KV blocks' bytes depend on (None: a worker publishing none)
 
     @property
     def unreserved_blocks(self) -> int:
@@ -94,6 +97,7 @@ class ClusterView:
         self._revision = revision
         self._interval_s = interval_s
         self._workers: list[Member] = []
+        self._prefill: list[Member] = []  # prefill workers (registry role "prefill"), never placed on directly
         self._encoders: list[Member] = []
         self._pending: list[_Pending] = []
         self._backlogs: dict[str, _Backlog] = {}  # encoder -> its backlog as this router reckons it
@@ -122,9 +126,12 @@ class ClusterView:
         workers = await asyncio.to_thread(self._registry.members, "worker", self._revision)
         encoders = await asyncio.to_thread(self._registry.members, "encoder", self._revision)
         draining = await asyncio.to_thread(self._registry.members, draining_role("worker"), self._revision)
+        prefill = await asyncio.to_thread(self._registry.members, "prefill", self._revision)
         self._note_absences(workers, draining)
         if workers is not None:
             self._workers = workers
+        if prefill is not None:
+            self._prefill = prefill
         if encoders is not None:
             self._encoders = encoders
             now = self._clock()
@@ -162,23 +169,30 @@ class ClusterView:
         self._pending.append(_Pending(worker, -blocks, at or time.time()))
 
     def workers(self) -> list[WorkerView]:
-        out = []
-        for member in self._workers:
-            state = member.state
-            pending = sum(p.blocks for p in self._pending if p.worker == member.address)
-            out.append(
-                WorkerView(
-                    address=member.address,
-                    total_blocks=int(state["total_blocks"]),
-                    capacity_blocks=int(state.get("capacity_blocks", state["total_blocks"])),
-                    reserved_blocks=max(0, int(state["reserved_blocks"]) + pending),
-                    running=int(state["running"]),
-                    waiting=int(state["waiting"]),
-                    block_size=int(state["block_size"]),
-                    enable_prefix_caching=bool(state.get("enable_prefix_caching", True)),
-                )
-            )
-        return out
+        return [self._view(member) for member in self._workers]
+
+    def prefill_workers_for(self, decode: WorkerView) -> list[WorkerView]:
+        """The live prefill workers whose KV blocks ``decode`` can take as they are (equal KV layout identities)."""
+        if decode.kv_layout is None:
+            return []
+        views = [self._view(member) for member in self._prefill]
+        return [view for view in views if decode.kv_layout.pairs_with(view.kv_layout)]
+
+    def _view(self, member: Member) -> WorkerView:
+        state = member.state
+        pending = sum(p.blocks for p in self._pending if p.worker == member.address)
+        return WorkerView(
+            address=member.address,
+            total_blocks=int(state["total_blocks"]),
+            capacity_blocks=int(state.get("capacity_blocks", state["total_blocks"])),
+            reserved_blocks=max(0, int(state["reserved_blocks"]) + pending),
+            running=int(state["running"]),
+            waiting=int(state["waiting"]),
+            block_size=int(state["block_size"]),
+            enable_prefix_caching=bool(state.get("enable_prefix_caching", True)),
+            worker_role=str(state.get("worker_role", "both")),
+            kv_layout=KVLayout.from_state(state.get("kv_layout")),
+        )
 
     def _note_absences(self, workers: list[Member] | None, draining: list[Member] | None) -> None:
         """Count the time each known worker is missing between two answered refreshes (an outage of Redis, or

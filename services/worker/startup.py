@@ -11,6 +11,7 @@ import logging
 from services.common import grpc_server, tls
 from services.common.drain import drained
 from services.common.embedding_cache import CacheSettings, EmbeddingCache
+from services.common.kv_layout import KVLayout
 from services.common.media import MediaLimits
 from services.common.model_info import load_model_info
 from services.common.registry import Heartbeat, Registry, draining_role
@@ -44,7 +45,7 @@ class RunningWorker:
         let the running requests finish for up to `timeout_s`, then end the rest (their routers migrate them)."""
         self.servicer.drain.start()
         await self.server.health.enter_graceful_shutdown()
-        await self.heartbeat.move_to(draining_role("worker"))
+        await self.heartbeat.move_to(draining_role(self.heartbeat.role))
         running = self.servicer.drain.in_flight
         if not await drained(self.servicer.drain, timeout_s, self.servicer.end_in_flight):
             log.warning("drain: ended requests still running after %.1fs (of %d)", timeout_s, running)
@@ -99,12 +100,14 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
             "capacity_blocks": servicer.capacity_blocks(),
             "enable_prefix_caching": config.enable_prefix_caching,  # the router counts blocks as this worker does
             "tensor_parallel_size": config.tensor_parallel_size,  # devices behind this entry's blocks
+            "worker_role": config.worker_role,
+            "kv_layout": published_layout(snapshot.state.kv_layout, info.identity.revision),
             "snapshot_at": snapshot.at,
         }
 
     heartbeat = Heartbeat(
         Registry(config.redis_url, ttl_s=max(1.0, 5 * config.heartbeat_interval_s)),
-        "worker",
+        registry_role(config.worker_role),
         address,
         info.identity.revision,
         state,
@@ -122,3 +125,14 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
         kv.block_size,
     )
     return RunningWorker(running, servicer, host, heartbeat, telemetry)
+
+
+def registry_role(worker_role: str) -> str:
+    """The registry role a worker heartbeats under: prefill workers have their own (``prefill``), so a router places
+    ordinary requests only on ``worker`` entries (roles ``both`` and ``decode``)."""
+    return "prefill" if worker_role == "prefill" else "worker"
+
+
+def published_layout(layout: KVLayout | None, revision: str) -> dict | None:
+    """The engine's KV layout identity with the model revision the worker serves, as the registry holds it."""
+    return None if layout is None else dataclasses.replace(layout, model_revision=revision).as_state()

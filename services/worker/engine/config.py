@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.kv_layout import WORKER_ROLES
 from services.worker.engine.tensor_parallel.plan import check_size
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -58,6 +59,10 @@ class EngineConfig:
     (``cuda`` is GPUs 0..n-1, ``cuda:k`` GPUs k..k+n-1; gloo on the CPU), rank 0 running this engine
     (services/worker/engine/tensor_parallel/); ``kv_cache_bytes`` is then each rank's budget, and every rank
     holds the block count the tightest one allows.
+
+    ``worker_role`` (``WORKER_ROLES``) is this engine's part in prefill/decode disaggregation (docs/disaggregation.md):
+    ``both`` (the default) prefills and decodes; ``prefill`` also exports a remote-prefill request's KV blocks after
+    each chunk (kv_connector.py); ``decode`` also takes in requests whose KV another engine computed.
     """
 
     block_size: int = field(
@@ -109,6 +114,10 @@ class EngineConfig:
     tensor_parallel_start_timeout_s: float = field(
         default=900.0, metadata={"help": "longest a tensor-parallel rank may take to load its shard and join"}
     )
+    worker_role: str = field(
+        default="both",
+        metadata={"help": "both, prefill or decode: this worker's part in prefill/decode disaggregation"},
+    )
 
     def __post_init__(self) -> None:
         self.check()
@@ -159,6 +168,20 @@ class EngineConfig:
         for key in ("tensor_parallel_timeout_s", "tensor_parallel_start_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"{name(key)} must be positive, got {getattr(self, key)}")
+        if self.worker_role not in WORKER_ROLES:
+            raise ValueError(
+                f"{name('worker_role')} must be one of {', '.join(WORKER_ROLES)}, got {self.worker_role!r}"
+            )
+        if self.worker_role != "both" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"{name('worker_role')}={self.worker_role} with {name('tensor_parallel_size')}="
+                f"{self.tensor_parallel_size}: KV transfer between tensor-parallel workers is not built"
+            )
+        if self.worker_role == "decode" and self.overcommit != 1.0:
+            raise ValueError(
+                f"{name('worker_role')}=decode needs {name('overcommit')}=1: a preempted remote-prefilled request "
+                f"could not recompute (its embeddings went to the prefill worker)"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"{name('dtype')} must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from services.common.kv_blocks import request_blocks
+from services.common.kv_layout import KVLayout
 from services.models.base import placeholder_token_id
 from services.models.media_span import MediaSpan
 from services.worker.engine.block_manager import BlockManager
@@ -58,6 +59,9 @@ class Engine:
         self.runner = make_runner(adapter, model, config)  # tensor parallelism: rank 0's, the ranks started
         self.config = config = self.runner.config  # automatic settings resolved (backend, block size, KV bytes)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        shape = self.runner.shape
+        self.kv_layout = KVLayout("", config.dtype, shape.num_layers, shape.kv_heads, shape.head_dim,
+                                  config.block_size, self.runner.kv.layout, config.tensor_parallel_size)  # fmt: skip
         self.embeddings = EmbeddingPool(config.embedding_buffer_bytes, config.torch_dtype, self.runner.io)
         self.step_costs = StepCostModel()
         self.itl_target = (
@@ -263,6 +267,7 @@ class Engine:
             preemptions=scheduler.num_preemptions,
             attention_backend=self.config.attention_backend,
             pinned_embeddings=len(self.embeddings.pinned),
+            kv_layout=self.kv_layout,
         )
 
     def embedding_stats(self) -> EmbeddingStats:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from services.common.grammar import Constraint
+from services.common.kv_layout import KVLayout
 from services.models.media_span import MediaSpan
 
 MAX_LOGPROBS = 20
@@ -161,3 +162,4 @@ class KVState:
     preemptions: int = 0  # since start; stays 0 with overcommit 1.0
     attention_backend: str = ""  # the engine's, resolved (never "auto")
     pinned_embeddings: int = 0  # media embeddings held for admitted requests (0 when none is in flight)
+    kv_layout: KVLayout | None = None  # its blocks' identity (model_revision filled in by the worker)
