@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -71,3 +73,12 @@ def test_every_query_head_reads_a_kv_head_of_its_own_rank(kv: int, group: int, s
     for q, k in zip(plan.q_heads, plan.kv_heads, strict=True):
         assert {h // group for h in q} == set(k)  # the KV heads its query heads read, and only those
         assert len(q) % len(k) == 0
+
+
+def test_the_engine_process_cannot_spawn_ranks(tiny_model_dir: Path) -> None:
+    from services.common.config import ConfigError, load
+    from services.worker.config import WorkerConfig
+
+    env = {"EPD_MODEL": str(tiny_model_dir), "EPD_ENGINE_PROCESS": "true", "EPD_TENSOR_PARALLEL_SIZE": "2"}
+    with pytest.raises(ConfigError, match="EPD_ENGINE_PROCESS=true cannot spawn tensor-parallel ranks"):
+        load(WorkerConfig, env=env)
