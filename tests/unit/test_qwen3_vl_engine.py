@@ -5,7 +5,8 @@ adds after decoder layers 0 and 1 at the image's rows. Requests are text only or
 gives exactly transformers' greedy `generate` for it alone, with the cases of tests/unit/test_engine_exactness.py:
 token budgets 16, 64 and 512 (at 16 and 64 an image's rows, and so its levels, are split over several steps, next
 to other requests' rows), prefix caching on and off, the decode kernel, SDPA and `flash-reference` (16-token blocks,
-and 256-token blocks through the decode graphs' padded path)."""
+and 256-token blocks through the decode graphs' padded path), and our Triton kernel in its interpreter at one
+budget and block size."""
 
 from __future__ import annotations
 
@@ -20,7 +21,16 @@ from services.models.registry import load_adapter
 from services.worker.engine.attention.backend import ATTENTION_NAME
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingOptions
-from tests.engine_support import BACKENDS, Prompt, Result, backend_config, drain, mixed_workload, run_workload
+from tests.engine_support import (
+    BACKENDS,
+    INTERPRETED,
+    Prompt,
+    Result,
+    backend_config,
+    drain,
+    mixed_workload,
+    run_workload,
+)
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +73,18 @@ def test_concurrent_greedy_equals_generate(
         assert engine.runner.graphs.steps > 0  # decode-only steps went through the padded graph path
     if caching and block_size == 16:  # requests 3 and 4 share an image prefix: served from the prefix cache
         assert any(r.cached_tokens > 0 for r in results.values())
+
+
+def test_concurrent_greedy_equals_generate_with_the_triton_kernel(
+    qwen3_loaded: tuple[Any, Any], workload: list[tuple[Prompt, int, list[int]]]
+) -> None:
+    """Our Triton kernel in Triton's interpreter (slow: one case, 16-token blocks, budget 64, cached; its 256-token
+    graph path is the other families' test: DeepStack rows never reach a decode graph)."""
+    adapter, model = qwen3_loaded
+    assert "triton16" in INTERPRETED
+    engine = Engine(adapter, model, backend_config("triton16", 64, True))
+    assert engine.config.attention_backend == "triton"
+    run_workload(engine, workload)
 
 
 def test_an_embedding_without_the_levels_is_refused(
