@@ -11,6 +11,8 @@ with it is refused at admission."""
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -240,4 +242,26 @@ def test_a_step_mask_in_any_row_order_masks_as_xgrammar_and_its_verdicts_follow_
         if not any(step):
             break
     assert REFUSED in seen and None in seen
+    structured.close()
+
+
+def test_jobs_the_grammar_thread_has_not_started_are_taken_back_and_none_runs_twice(loaded: tuple[Any, Any]) -> None:
+    """With the grammar thread busy, a step that needs its queued accepts and fill takes them back: the accept
+    runs on the caller's thread, in order, the fill is dropped (the caller fills), and the thread, free again,
+    starts neither."""
+    adapter, model = loaded
+    structured = StructuredOutputs(adapter.tokenizer, 8, frozenset(adapter.eos_token_ids), 1, 1 << 20, 1.0,
+                                   torch.device("cpu"))  # fmt: skip
+    free = threading.Event()
+    ran: list[str] = []
+    structured._submit(lambda: free.wait(5) and ran.append("busy"))
+    structured._submit(lambda: ran.append(f"accept on {threading.current_thread().name}"))
+    fill = structured._submit(lambda: ran.append("fill"), redo=False)
+    threading.Timer(0.05, free.set).start()
+    assert structured._settle(fill) is False
+    time.sleep(0.05)  # the thread, free, would run what it still held
+    assert ran == ["busy", f"accept on {threading.current_thread().name}"]
+    done = structured._submit(lambda: ran.append("fill"), redo=False)
+    done.result()
+    assert structured._settle(done) is True and ran[-1] == "fill"  # the thread ran it: its result is used
     structured.close()

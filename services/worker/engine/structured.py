@@ -16,6 +16,7 @@ kernel after one upload. Rows without a constraint are not touched, and a step w
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import os
@@ -157,10 +158,13 @@ class StructuredOutputs:
         self._on_cpu = device.type == "cpu"
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher: fills a step's rows in one call
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
-        self._last: concurrent.futures.Future | None = None  # the grammar thread's last job (they run in order)
+        self._jobs: collections.deque[tuple[concurrent.futures.Future, Any, tuple]] = collections.deque()  # in order
+        # (a fill's job is None: one taken back is redone by whoever wants it, or dropped)
         self._pending: tuple[list[GrammarState], concurrent.futures.Future] | None = None  # the next step's fill
         self._bitmask = torch.empty(0, 0, dtype=torch.int32)  # reused host buffers, grown to the rows a step needs
         self._bias = torch.empty(0, 8)
+        self.fills_beside = 0  # prefetched fills the grammar thread ran (beside the forward)
+        self.fills_here = 0  # fills the engine thread ran (taken back, or never prefetched)
         self._table: torch.Tensor | None = None  # byte -> its 8 tokens' bias (0 where the bit is set, else -inf)
 
     def state(self, constraint: Constraint) -> GrammarState:
@@ -174,7 +178,7 @@ class StructuredOutputs:
         """Queue the fill of ``states``' bitmask rows on the grammar thread: the constrained sequences that sample
         in the step about to run (any order), before its forward pass, which the fill then runs beside."""
         if states:
-            self._pending = (states, self._submit(self._fill, states))
+            self._pending = (states, self._submit(self._fill, states, redo=False))
 
     def step_mask(self, states: list[GrammarState | None]) -> StepMask | None:
         """The mask of a step's sampling rows (``states``: each row's grammar, None where unconstrained): the
@@ -184,7 +188,8 @@ class StructuredOutputs:
         if not rows:
             return None
         constrained: list[GrammarState] = [states[i] for i in rows]  # type: ignore[misc]
-        if pending is not None:
+        if pending is not None and self._settle(pending[1]):
+            self.fills_beside += 1
             filled, future = pending
             bitmask, bias = future.result()
             if len(filled) == len(constrained) and all(a is b for a, b in zip(filled, constrained, strict=True)):
@@ -194,6 +199,7 @@ class StructuredOutputs:
             if -1 not in source:
                 return StepMask(rows, constrained, source, bitmask, bias, self.stop_ids)
         self._drain()
+        self.fills_here += 1
         bitmask, bias = self._fill(constrained)
         return StepMask(rows, constrained, list(range(len(rows))), bitmask, bias, self.stop_ids)
 
@@ -224,17 +230,38 @@ class StructuredOutputs:
 
     # ----- the grammar thread's work -----
 
-    def _submit(self, job: Any, *args: Any) -> concurrent.futures.Future:
+    def _submit(self, job: Any, *args: Any, redo: bool = True) -> concurrent.futures.Future:
+        """Queue ``job(*args)`` on the grammar thread; ``redo``: one taken back must still run (accepts do)."""
         if self._thread is None:
             self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-step")
-        self._last = self._thread.submit(job, *args)
-        return self._last
+        while self._jobs and self._jobs[0][0].done():
+            self._jobs.popleft()
+        future = self._thread.submit(job, *args)
+        self._jobs.append((future, job if redo else None, args))
+        return future
+
+    def _settle(self, wanted: concurrent.futures.Future | None = None) -> bool:
+        """Finish every queued job, in order: the ones the grammar thread has not started are taken back (on a
+        busy box it may not have had a core since they were queued: waiting for it would cost more than the
+        work), newest first, so it starts none of them while one runs here; the one it is running is waited for;
+        then the accepts taken back run here, in order (a fill taken back is dropped). True when ``wanted`` ran
+        on the grammar thread (its result is there), False when it was taken back (the caller fills now)."""
+        jobs = list(self._jobs)
+        self._jobs.clear()
+        taken = []
+        for future, job, args in reversed(jobs):
+            if not future.cancel():  # running or done, and every job before it done (one thread, in order)
+                future.result()
+                break
+            taken.append((future, job, args))
+        for _, job, args in reversed(taken):
+            if job is not None:
+                job(*args)
+        return wanted is not None and all(future is not wanted for future, _, _ in taken)
 
     def _drain(self) -> None:
-        """Wait for every job queued on the grammar thread (the buffers and matchers are then this thread's)."""
-        if self._last is not None:
-            concurrent.futures.wait([self._last])
-            self._last = None
+        """Every job queued for the grammar thread finished (the buffers and matchers are then this thread's)."""
+        self._settle()
 
     def _fill(self, states: list[GrammarState]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``states``' bitmask rows ``[k, words]`` filled in one call and, on the CPU, their bias ``[k, vocab]``

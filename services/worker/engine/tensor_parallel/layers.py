@@ -139,8 +139,8 @@ def shard_language_model(model: nn.Module, plan: ShardPlan, rank: int, group: Co
 
 def rank_parameters(model: nn.Module, plan: ShardPlan, rank: int) -> int:
     """How many parameters rank ``rank`` holds of ``model`` (unsharded, on any device, ``meta`` too): its slices
-    of the planned layers, embedding and LM head, everything else whole (norms; the vision tower, on every
-    rank today)."""
+    of the planned layers, embedding and LM head, everything else whole (norms; the vision tower, which rank 0
+    alone keeps: rank 0 holds the most)."""
     total = sum(p.numel() for p in model.parameters())
     for name, linear, _, style, attention in planned_layers(model):
         kept = len(shard_slice(name, linear, style, attention, plan, rank))
@@ -153,6 +153,18 @@ def rank_parameters(model: nn.Module, plan: ShardPlan, rank: int) -> int:
     for weight in tables.values():  # a tied head shares the embedding's weight
         total -= (weight.shape[0] - held) * weight.shape[1]
     return total
+
+
+def drop_all_but_the_language_model(model: nn.Module) -> None:
+    """Release what a rank other than 0 never runs: every part of the multimodal model beside its language model
+    and head (the vision tower, the projector), so a rank holds only its shard and the norms."""
+    decoder = _decoder(model)
+    owner = getattr(model, "model", None)
+    if owner is None or all(child is not decoder for child in owner.children()):
+        return
+    for name, child in list(owner.named_children()):
+        if child is not decoder:
+            setattr(owner, name, None)
 
 
 def _decoder(model: nn.Module) -> nn.Module:

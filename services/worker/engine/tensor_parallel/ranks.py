@@ -185,7 +185,7 @@ def rank_main(spec: RankSpec, conn: Connection, events: list[Any]) -> None:
     torch.set_num_threads(spec.threads)
     try:
         from services.common.model_info import load_model_info
-        from services.worker.engine.tensor_parallel.layers import shard_language_model
+        from services.worker.engine.tensor_parallel.layers import drop_all_but_the_language_model, shard_language_model
         from services.worker.engine.tensor_parallel.plan import ShardPlan
         from services.worker.engine.tensor_parallel.runner import ShardRunner
 
@@ -194,6 +194,7 @@ def rank_main(spec: RankSpec, conn: Connection, events: list[Any]) -> None:
         adapter = load_model_info(spec.model_dir).adapter
         model = adapter.load_model("cpu", config.torch_dtype)
         plan = ShardPlan.of_config(model.config, spec.size)
+        drop_all_but_the_language_model(model)  # the vision tower runs on rank 0 only
         conn.send(("loaded", None))
         store = dist.TCPStore(STORE_HOST, spec.store_port, spec.size, is_master=False,
                               timeout=_td(_store_timeout(config)))  # fmt: skip
