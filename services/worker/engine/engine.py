@@ -19,8 +19,16 @@ from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.embeddings import EmbeddingPool, EmbeddingStats
 from services.worker.engine.itl_target import ItlTarget
+from services.worker.engine.kv_connector import KVChunk, KVConnector
 from services.worker.engine.logits_processors import check_token_ids
-from services.worker.engine.request import EngineRequest, KVState, SamplingOptions, StepOutput
+from services.worker.engine.request import (
+    KV_RECEIVE,
+    EngineRequest,
+    KVState,
+    KVTransfer,
+    SamplingOptions,
+    StepOutput,
+)
 from services.worker.engine.sampler import Sampler, reseed_for_position
 from services.worker.engine.scheduler import Scheduler, SchedulerOutput
 from services.worker.engine.sequence import Sequence, request_choices
@@ -70,6 +78,7 @@ class Engine:
             else None
         )
         self.scheduler = Scheduler(config, self.block_manager, self.embeddings, self.itl_target)
+        self.kv_connector = KVConnector(self.block_manager, self.runner.kv)  # prefill/decode disaggregation
         self.on_step: Callable[[StepTiming], None] | None = None
         self.eos_token_ids = frozenset(adapter.eos_token_ids)
         self.sampler = Sampler(config.seed, self.runner.io, self.eos_token_ids)
@@ -107,13 +116,36 @@ class Engine:
         needs = {seq.seq_id: seq.reserve_blocks for seq in choices}
         if not self.scheduler.ledger.reserve_many(needs):
             return False
-        self._enqueue(choices)
+        self._enqueue(choices, request.kv_transfer)
         return True
+
+    def receive_kv(self, chunk: KVChunk) -> list[StepOutput]:
+        """A chunk of a ``KV_RECEIVE`` request's prompt KV arrived (kv_connector.py): written into its blocks; the
+        last one's first token is the request's first output (then it decodes here, or ends on that token). A
+        chunk of a request not receiving here (aborted, re-admitted) is dropped."""
+        seq = self.kv_connector.receive(chunk)
+        self._stalled = False
+        if seq is None:
+            return []
+        first = chunk.first_token
+        seq.append_token(first.token_id)
+        reason = seq.stop_reason(self.eos_token_ids)
+        if reason is not None:
+            self._finish(seq, reason)
+        else:
+            self.scheduler.ready.append(seq)
+        logprobs = None if first.logprobs is None else [first.logprobs]
+        finished = seq.request_id not in self.requests
+        return [StepOutput(seq.request_id, [first.token_id], reason is not None, reason, seq.num_cached_tokens,
+                           seq.index, logprobs, finished)]  # fmt: skip
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request (its ``sampling.n`` choices) without reserving: the scheduler reserves each choice's
         blocks when they fit. Raises ValueError when it is malformed, ``NeverFits`` when it could never fit."""
-        self._enqueue(self._choices(request))
+        transfer = request.kv_transfer
+        if transfer is not None and transfer.direction == KV_RECEIVE:
+            raise ValueError(f"request {request.request_id!r}: a KV_RECEIVE request is admitted (reserved), not added")
+        self._enqueue(self._choices(request), transfer)
 
     def provide_embedding(self, mm_hash: str, tensor: torch.Tensor) -> None:
         """An item's embedding ``[num_tokens, hidden]`` arrived; before or after its requests."""
@@ -136,7 +168,8 @@ class Engine:
 
     def missing_embeddings(self, request_id: str) -> list[str]:
         """Hashes of the request's media items still to compute (by any choice) whose embedding has not arrived."""
-        missing = [h for seq in self.requests.get(request_id, []) for h in seq.missing_embeddings(self.embeddings)]
+        live = [seq for seq in self.requests.get(request_id, []) if not self.kv_connector.receives(seq)]
+        missing = [h for seq in live for h in seq.missing_embeddings(self.embeddings)]
         return list(dict.fromkeys(missing))
 
     # ----- stepping -----
@@ -189,6 +222,8 @@ class Engine:
         if timed:
             self._time_step(scheduled, end - start)
         self.scheduler.update(scheduled)
+        if self.kv_connector.sending:
+            self.kv_connector.export(scheduled.chunks)
         outputs = failed
         verdicts = self.structured.accept(mask, [token for token, _ in sampled]) if mask is not None else {}
         for row, (seq, (token, logprobs)) in enumerate(zip(seqs, sampled, strict=True)):
@@ -197,6 +232,11 @@ class Engine:
                 log.error("request %s: sampled token %d outside its grammar; ended", seq.name, token)
                 self._finish(seq, "error")
                 outputs.append(self._ended(seq, "error"))
+                continue
+            if self.kv_connector.sends(seq):  # a remote prefill: the token goes with the KV, the request ends here
+                self.kv_connector.send_first_token(seq, token, logprobs)
+                self._finish(seq, "kv_sent")
+                outputs.append(self._ended(seq, "kv_sent"))
                 continue
             seq.append_token(token)
             reason = seq.stop_reason(self.eos_token_ids)
@@ -291,6 +331,8 @@ class Engine:
             known = self.embeddings.peek(item.mm_hash)
             if known is not None:
                 _check_rows(item, first.request_id, known, self.adapter.embedding_width)
+        if request.kv_transfer is not None:
+            self.kv_connector.check(first, len(choices))
         constraint = sampling.structured
         for seq in choices:
             seq.positions = first.positions  # read-only: every choice has the same prompt and lengths
@@ -300,9 +342,14 @@ class Engine:
                 seq.grammar = self.structured.state(constraint)  # ValueError: a constraint known not to compile
         return choices
 
-    def _enqueue(self, choices: list[Sequence]) -> None:
+    def _enqueue(self, choices: list[Sequence], transfer: KVTransfer | None = None) -> None:
         for seq in choices:
             self.embeddings.acquire([m.mm_hash for m in seq.media])
+            if transfer is not None and transfer.direction == KV_RECEIVE:
+                self.kv_connector.start_receive(seq)  # blocks now, filled by receive_kv; then decodes
+                continue
+            if transfer is not None:
+                self.kv_connector.start_send(seq, transfer.skip_blocks)
             self.scheduler.add(seq)
             if seq.grammar is not None:
                 self.awaiting_grammar.append(seq)
@@ -311,6 +358,7 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
+        self.kv_connector.forget(seq)
         if seq in self.awaiting_grammar:
             self.awaiting_grammar.remove(seq)
         self.embeddings.release([m.mm_hash for m in seq.media])

@@ -106,6 +106,28 @@ def check_processor_options(opts: SamplingOptions) -> None:
         raise ValueError("stop_token_ids must be >= 0")
 
 
+KV_SEND = "send"
+"""A remote prefill: this engine prefills the request, ships its KV blocks and first token, and ends it there."""
+KV_RECEIVE = "receive"
+"""A request prefilled elsewhere: this engine takes its KV blocks in and decodes from the first token on."""
+
+
+@dataclass(frozen=True)
+class KVTransfer:
+    """A request's part in prefill/decode disaggregation (kv_connector.py): ``direction`` ``KV_SEND`` or
+    ``KV_RECEIVE``; ``skip_blocks`` (send): the leading prompt blocks the decode engine already holds (its prefix
+    cache), which are not shipped."""
+
+    direction: str
+    skip_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.direction not in (KV_SEND, KV_RECEIVE):
+            raise ValueError(f"KV transfer direction must be {KV_SEND!r} or {KV_RECEIVE!r}, got {self.direction!r}")
+        if self.skip_blocks < 0:
+            raise ValueError(f"skip_blocks must be >= 0, got {self.skip_blocks}")
+
+
 @dataclass
 class EngineRequest:
     """One generation request as the worker server hands it to the engine."""
@@ -118,6 +140,8 @@ class EngineRequest:
     generated_tokens: int = 0
     """The last ``generated_tokens`` of ``token_ids`` were generated elsewhere (a migrated request): they are
     prefilled like the prompt but positioned as decoded text, as ``generate`` positions its own output."""
+    kv_transfer: KVTransfer | None = None
+    """Set for a request prefilled on one engine and decoded on another (None: both here)."""
 
 
 @dataclass(frozen=True, slots=True)

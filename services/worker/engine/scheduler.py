@@ -53,7 +53,8 @@ class Scheduler:
     (of sequences lacking more than one token) also stay under ``_prefill_budget`` (decode priority: the
     smaller of ``prefill_tokens_per_free_seq``'s cap and ``itl_target``'s, each at least one block).
     A later choice of a request starts only once choice 0's full prompt blocks are cached (or choice 0
-    ended), and takes them as a prefix hit.
+    ended), and takes them as a prefix hit. ``ready`` holds sequences whose prompt KV another engine computed
+    (kv_connector.py: blocks and reservation held, status ``RECEIVING``): they join ``running`` first, as decodes.
     """
 
     def __init__(
@@ -70,13 +71,14 @@ class Scheduler:
         self.embeddings = embeddings
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.ready: deque[Sequence] = deque()
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.ready)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take ``seq`` out of the queues and give back its blocks and reservation."""
@@ -84,6 +86,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq in self.ready:
+            self.ready.remove(seq)
         self.block_manager.deallocate(seq)
         self.ledger.release(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
@@ -93,6 +97,10 @@ class Scheduler:
         """This step's chunks; ``spent_s``: how long the decoding sequences have waited since their last token
         (an ITL target plans the step to fit in what is left)."""
         out = SchedulerOutput()
+        while self.ready and len(self.running) < self.config.max_num_seqs:
+            seq = self.ready.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
         budget = self.config.max_num_batched_tokens
         prefill = self._prefill_budget(budget, out, spent_s)
         for seq in list(self.running):

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
+    RECEIVING = auto()  # KV computed by another engine: arriving (kv_connector.py), or arrived and ``ready``
     FINISHED = auto()
 
 
