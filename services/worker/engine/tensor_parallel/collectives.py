@@ -15,10 +15,11 @@ class Collectives:
     the embedding transport may hold). Every call waits for its result; a peer gone or silent past the group's
     timeout raises RuntimeError."""
 
-    def __init__(self, group: Any, rank: int, size: int) -> None:
+    def __init__(self, group: Any, rank: int, size: int, device: torch.device) -> None:
         self.group = group
         self.rank = rank
         self.size = size
+        self.device = device  # where its tensors live (NCCL: this rank's GPU)
 
     @classmethod
     def create(cls, store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float) -> Collectives:
@@ -28,11 +29,11 @@ class Collectives:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             torch.cuda.set_device(device)
-            return cls(dist.ProcessGroupNCCL(store, rank, size, options), rank, size)
+            return cls(dist.ProcessGroupNCCL(store, rank, size, options), rank, size, device)
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        return cls(dist.ProcessGroupGloo(store, rank, size, options), rank, size)
+        return cls(dist.ProcessGroupGloo(store, rank, size, options), rank, size, torch.device("cpu"))
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place."""
@@ -42,7 +43,7 @@ class Collectives:
     def all_reduce_min(self, value: int, timeout_s: float | None = None) -> int:
         """The smallest of every rank's ``value`` (within ``timeout_s`` when given, else the group's timeout:
         the start-up's agreement waits for ranks still loading)."""
-        tensor = torch.tensor([value], dtype=torch.int64)
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MIN
         if timeout_s is not None:
