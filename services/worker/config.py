@@ -19,6 +19,9 @@ class WorkerConfig(ServiceConfig, EngineConfig):
     compute_nice: int = dataclasses.field(default=0, metadata={"help": "nice increment for the engine thread (0: off)"})
     max_image_pixels: int = dataclasses.field(default=50_000_000, metadata={"help": "pixels per co-located image"})
     embedding_timeout_s: float = dataclasses.field(default=60.0, metadata={"help": "wait per embedding"})
+    kv_transfer_timeout_s: float = dataclasses.field(
+        default=60.0, metadata={"help": "longest a remote prefill's KV push to its decode worker may take"}
+    )
     engine_process: bool = dataclasses.field(
         default=False,
         metadata={"help": "run the engine in a child process with a GIL of its own (docs/engine.md)"},
@@ -37,8 +40,13 @@ class WorkerConfig(ServiceConfig, EngineConfig):
             self.check(env_name)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        for name in ("embedding_timeout_s", "heartbeat_interval_s"):
+        for name in ("embedding_timeout_s", "heartbeat_interval_s", "kv_transfer_timeout_s"):
             require_positive(name, getattr(self, name))
+        if self.engine_process and self.worker_role != "both":
+            raise ConfigError(
+                f"{env_name('worker_role')}={self.worker_role} with {env_name('engine_process')}=true: KV transfer "
+                "runs on the thread host only"
+            )
         if self.engine_process and self.tensor_parallel_size > 1:
             raise ConfigError(
                 f"{env_name('engine_process')}=true cannot spawn tensor-parallel ranks "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from services.common.grammar import constraint_of
 from services.common.media_refs import media_span
 from services.common.rpc.epd.v1 import common_pb2, worker_pb2
-from services.worker.engine.request import EngineRequest, SamplingOptions, StepOutput, TokenLogprobs
+from services.worker.engine.request import EngineRequest, KVTransfer, SamplingOptions, StepOutput, TokenLogprobs
 
 
 def engine_request(request: worker_pb2.WorkerRequest) -> EngineRequest:
@@ -38,7 +38,16 @@ def engine_request(request: worker_pb2.WorkerRequest) -> EngineRequest:
         ),
         cache_salt=request.cache_salt,
         generated_tokens=request.generated_tokens,
+        kv_transfer=kv_transfer(request),
     )
+
+
+def kv_transfer(request: worker_pb2.WorkerRequest) -> KVTransfer | None:
+    """The request's part in prefill/decode disaggregation, None when it prefills and decodes here."""
+    spec = request.kv_transfer
+    if not request.HasField("kv_transfer") or not spec.direction:
+        return None
+    return KVTransfer(spec.direction, spec.skip_blocks)
 
 
 def token_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs]) -> list[common_pb2.TokenLogprob]:

@@ -39,6 +39,8 @@ class WorkerMetrics:
     step_prefill_budget: Histogram
     step_time_ratio: Histogram
     relayed_responses: Counter
+    kv_transfer_bytes: Counter
+    kv_transfer_seconds: Histogram
 
     @classmethod
     def create(cls, meter: Meter, kv_state: Callable[[], Any], step_costs: StepCostModel) -> WorkerMetrics:
@@ -99,6 +101,16 @@ class WorkerMetrics:
             ),
             transfer_bytes=meter.create_counter(
                 "epd_embedding_transfer_received_bytes", unit="By", description="embedding bytes received, by transport"
+            ),
+            kv_transfer_bytes=meter.create_counter(
+                "epd_kv_transfer_bytes",
+                unit="By",
+                description="KV bytes of remote prefills, by direction (sent, received) and transport",
+            ),
+            kv_transfer_seconds=meter.create_histogram(
+                "epd_kv_transfer_seconds",
+                unit="s",
+                description="seconds from a remote prefill's admission to its decode worker's acknowledgement",
             ),
             step_prefill_budget=meter.create_histogram(
                 "epd_step_prefill_budget_tokens",

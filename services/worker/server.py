@@ -30,15 +30,18 @@ from services.common.drain import Drain
 from services.common.kv_blocks import request_blocks
 from services.common.loop_mailbox import LoopMailbox
 from services.common.rpc.epd.v1 import worker_pb2, worker_pb2_grpc
+from services.common.tls import Dialer, internal_client
 from services.common.tracing import StageSpans
 from services.common.transport_dist import DistError
 from services.common.transport_grpc import ChunkAssembler, StreamError
 from services.worker.config import WorkerConfig
 from services.worker.embedding_store import EmbeddingStore
-from services.worker.engine.request import StepOutput
+from services.worker.engine.kv_connector import KVChunk
+from services.worker.engine.request import KV_RECEIVE, KV_SEND, StepOutput
 from services.worker.engine.reservation import NeverFits
 from services.worker.engine_host.host import EngineHost, call_sinks
 from services.worker.engine_host.process_host import EngineGone
+from services.worker.kv_transfer import KVAssembler, KVPusher, is_failure
 from services.worker.messages import by_choice, engine_request, response
 from services.worker.metrics import WorkerMetrics
 from services.worker.relay import Relay, RelayClosed
@@ -80,6 +83,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.drain = Drain()
         self._streams: dict[str, asyncio.Queue] = {}  # in-flight requests' output queues (drain ends them)
         self._relays: dict[str, Relay] = {}  # open relays by id (services/worker/relay.py)
+        self._pushers: dict[str, KVPusher] = {}  # remote prefills' KV streams to their decode workers
+        self._dialer = Dialer(internal_client(config))
+        if hasattr(host, "deliver_kv"):
+            host.deliver_kv = self._deliver_kv
 
     def _mailbox(self) -> LoopMailbox:
         """The one mailbox from the engine thread to this event loop (a step's tokens: one wake-up)."""
@@ -90,6 +97,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _deliver(self, batch: list) -> None:
         """From the engine's thread: run each output's sink (its request's queue) on this event loop."""
         self._mailbox_from_thread().post(call_sinks, batch)
+
+    def _deliver_kv(self, chunks: list[KVChunk]) -> None:
+        """From the engine's thread: a step's KV chunks, onto their requests' push streams (on this event loop)."""
+        self._mailbox_from_thread().post(self._route_kv, chunks)
+
+    def _route_kv(self, chunks: list[KVChunk]) -> None:
+        for chunk in chunks:
+            pusher = self._pushers.get(chunk.request_id)
+            if pusher is not None:
+                pusher.put(chunk)
+                if chunk.first_token is not None:
+                    pusher.close()
 
     def _mailbox_from_thread(self) -> LoopMailbox:
         if self._outbox is None:  # outputs follow an admission, which made it on the loop
@@ -142,7 +161,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         start = time.perf_counter()
         stages = StageSpans()  # worker.queue, worker.prefill, worker.decode under the caller's span
         outputs: asyncio.Queue = asyncio.Queue()
-        admitted_at = await self._admit(request, context, outputs)
+        direction = request.kv_transfer.direction if request.HasField("kv_transfer") else ""
+        pusher = None
+        if direction == KV_SEND:  # open before admitting: the first step's chunks may follow at once
+            stub = worker_pb2_grpc.WorkerStub(self._dialer.channel(request.kv_transfer.peer))
+            pusher = self._pushers[request.request_id] = KVPusher(stub, self._config.kv_transfer_timeout_s)
+        try:
+            admitted_at = await self._admit(request, context, outputs)
+        except BaseException:
+            if pusher is not None:
+                self._pushers.pop(request.request_id, None)
+                pusher.cancel()
+            raise
+        skip_blocks = 0
+        if direction == KV_RECEIVE:
+            rid = request.request_id
+            skip_blocks = await asyncio.wrap_future(self._host.submit(lambda e: e.kv_connector.skip_blocks(rid)))
         admitted_from = time.perf_counter()
         stages.mark("worker.queue", {"epd.prompt_tokens": len(request.token_ids), "epd.items": len(request.media)})
         self._streams[request.request_id] = outputs
@@ -150,14 +184,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if relay is not None:
             relay.bind(request.request_id, outputs)
         timeout = request.embedding_timeout_s or self._config.embedding_timeout_s
-        fetchers = [asyncio.create_task(self._fetch(m.mm_hash, timeout)) for m in request.media]
+        media = [] if direction == KV_RECEIVE else request.media  # a remote prefill's embeddings go to the prefill
+        fetchers = [asyncio.create_task(self._fetch(m.mm_hash, timeout)) for m in media]
         embedded = _LastDone(fetchers)  # when the last embedding arrived: the first response's encode_wait_s
         watcher = asyncio.create_task(self._watch_fetches(fetchers, outputs))
         finished = False
         first_token = True
         generated = cached = 0
         try:
-            yield worker_pb2.WorkerResponse(admitted=True, state_at=admitted_at)
+            yield worker_pb2.WorkerResponse(admitted=True, state_at=admitted_at, kv_skip_blocks=skip_blocks)
             while True:
                 outs = [await outputs.get()]
                 while not outputs.empty() and isinstance(outs[-1], StepOutput) and not outs[-1].request_finished:
@@ -172,6 +207,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"relay {last.relay_id} closed")
                 if last is None:
                     await context.abort(grpc.StatusCode.INTERNAL, "engine step failed; see worker log")
+                if pusher is not None and last.finish_reason == "kv_sent":
+                    try:
+                        await pusher.ack()  # the decode worker holds every block: only then is this prefill done
+                    except Exception as exc:
+                        if not is_failure(exc):
+                            raise
+                        peer = request.kv_transfer.peer
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push to {peer} failed: {exc}")
+                    self._metrics.kv_transfer_bytes.add(pusher.bytes, {"direction": "sent", "transport": "grpc"})
+                    self._metrics.kv_transfer_seconds.record(time.perf_counter() - start)
                 finished = last.request_finished
                 generated += sum(len(out.new_token_ids) for out in outs)
                 cached = next((out.cached_tokens for out in reversed(outs) if out.index == 0), cached)
@@ -198,6 +243,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     return
         finally:
             self._streams.pop(request.request_id, None)
+            if pusher is not None:
+                self._pushers.pop(request.request_id, None)
+                if not finished:
+                    pusher.cancel()
             if relay is not None:
                 relay.unbind(request.request_id)
             watcher.cancel()
@@ -258,6 +307,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except (StreamError, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad embedding stream: {exc}")
         return worker_pb2.PushAck(items=items, bytes=assembler.total_bytes)
+
+    async def PushKV(self, request_iterator, context: grpc.aio.ServicerContext) -> worker_pb2.PushAck:
+        """A prefill worker's KV chunks for requests admitted here to receive them, written into the engine's pool
+        in order; a chunk of a request not receiving here (aborted, re-admitted) is dropped by the engine."""
+        assembler = KVAssembler()
+        chunks = 0
+        try:
+            async for message in request_iterator:
+                chunk = assembler.add(message)
+                if chunk is not None:
+                    await asyncio.wrap_future(self._host.receive_kv(chunk))
+                    chunks += 1
+            assembler.finish()
+        except (StreamError, ValueError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad KV stream: {exc}")
+        self._metrics.kv_transfer_bytes.add(assembler.total_bytes, {"direction": "received", "transport": "grpc"})
+        return worker_pb2.PushAck(items=chunks, bytes=assembler.total_bytes)
 
     async def DistConnect(
         self,

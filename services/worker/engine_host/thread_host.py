@@ -42,6 +42,7 @@ class EngineLoop:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self.deliver: Delivery = call_sinks  # called on this loop's thread with each iteration's outputs
+        self.deliver_kv: Callable[[list], None] | None = None  # with each step's KV chunks (a prefill worker's)
         self.finished_at: dict[str, float] = {}  # request id -> when its blocks were freed; popped by the server
         self._idle_wait_s = idle_wait_s
         self._stopped = threading.Event()
@@ -121,6 +122,24 @@ class EngineLoop:
 
         return self.submit(admit)
 
+    def receive_kv(self, chunk: Any) -> concurrent.futures.Future:
+        """A remote prefill's KV chunk for the engine (``engine.receive_kv``); its outputs (the first token, on the
+        last chunk) reach the request's sink as a step's do."""
+        return self.submit(lambda engine: self._dispatch(engine.receive_kv(chunk)))
+
+    def _dispatch(self, outputs: list) -> None:
+        """Hand outputs to their requests' sinks in one delivery, dropping the sinks of finished requests."""
+        batch = []
+        for output in outputs:
+            sink = self._sinks.get(output.request_id)
+            if output.request_finished:
+                self._sinks.pop(output.request_id, None)
+                self.finished_at[output.request_id] = time.time()  # freed, before any later snapshot
+            if sink is not None:
+                batch.append((sink, output))
+        if batch:
+            self.deliver(batch)
+
     def _snapshot(self) -> None:
         at = time.time()
         self.snapshot = KVSnapshot(self._engine.kv_state(), at)  # one assignment: readers see a matching pair
@@ -149,16 +168,10 @@ class EngineLoop:
                 self._drain(block=not self._engine.has_work())
                 self._snapshot()  # admissions just made are visible before the (slow) step
                 if self._engine.has_work():
-                    batch = []
-                    for output in self._engine.step():
-                        sink = self._sinks.get(output.request_id)
-                        if output.request_finished:
-                            self._sinks.pop(output.request_id, None)
-                            self.finished_at[output.request_id] = time.time()  # freed, before any later snapshot
-                        if sink is not None:
-                            batch.append((sink, output))
-                    if batch:
-                        self.deliver(batch)
+                    outputs = self._engine.step()
+                    if self.deliver_kv is not None and self._engine.kv_connector.outbox:
+                        self.deliver_kv(self._engine.kv_connector.take())  # before the kv_sent outputs
+                    self._dispatch(outputs)
                 self._snapshot()
                 if self._after_iteration is not None:
                     self._after_iteration()

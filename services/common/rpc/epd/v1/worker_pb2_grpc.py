@@ -68,6 +68,11 @@ class WorkerStub:
                 request_serializer=epd_dot_v1_dot_worker__pb2.RelayOpen.SerializeToString,
                 response_deserializer=epd_dot_v1_dot_worker__pb2.RelayBatch.FromString,
                 _registered_method=True)
+        self.PushKV = channel.stream_unary(
+                '/epd.v1.Worker/PushKV',
+                request_serializer=epd_dot_v1_dot_worker__pb2.KVBlocks.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_worker__pb2.PushAck.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -119,6 +124,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushKV(self, request_iterator, context):
+        """Prefill/decode disaggregation (docs/disaggregation.md): a prefill worker streams a remote prefill's KV
+        blocks, chunk by chunk, to the decode worker that admitted the request (`KVTransferSpec`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -151,6 +164,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Relay,
                     request_deserializer=epd_dot_v1_dot_worker__pb2.RelayOpen.FromString,
                     response_serializer=epd_dot_v1_dot_worker__pb2.RelayBatch.SerializeToString,
+            ),
+            'PushKV': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushKV,
+                    request_deserializer=epd_dot_v1_dot_worker__pb2.KVBlocks.FromString,
+                    response_serializer=epd_dot_v1_dot_worker__pb2.PushAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -319,6 +337,33 @@ class Worker:
             '/epd.v1.Worker/Relay',
             epd_dot_v1_dot_worker__pb2.RelayOpen.SerializeToString,
             epd_dot_v1_dot_worker__pb2.RelayBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushKV(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/epd.v1.Worker/PushKV',
+            epd_dot_v1_dot_worker__pb2.KVBlocks.SerializeToString,
+            epd_dot_v1_dot_worker__pb2.PushAck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,160 @@
+"""Prefill/decode disaggregation between two real worker processes (their own Redis, no router): a decode worker
+(`EPD_WORKER_ROLE=decode`) admits requests to receive their KV, a prefill worker (`prefill`, chunked prefill)
+prefills them and pushes every chunk's blocks over `Worker.PushKV`; the decode worker's tokens equal transformers'
+`generate`, a repeated prompt ships only what the decode worker's prefix cache lacks, and a cancel while the KV is
+in flight frees every block on both."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.common.model_info import load_model_info
+from services.common.registry import Registry
+from services.common.rpc.epd.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.launch import local
+from services.launch.health import wait_healthy
+from services.models.base import ChatMessage, ChatPart
+from tests.integration.conftest import RedisServer, metric_value, model_folder
+from tests.oracle import hf_generate
+
+LONG = "the quick brown fox jumps over the lazy dog while a small cat watches from the warm window "
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return model_folder(tmp_path_factory.mktemp("models"), "tiny-pd")
+
+
+@pytest.fixture(scope="module")
+def workers(
+    model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, local.Process]]:
+    logs = tmp_path_factory.mktemp("logs")
+    base = {"EPD_MODEL": str(model_dir), "EPD_REDIS_URL": redis_server.url, "EPD_TORCH_THREADS": "1"}
+    roles = {"prefill": {"EPD_MAX_NUM_BATCHED_TOKENS": "32"}, "decode": {}}
+    started = {
+        role: local.spawn("worker", local.free_port(), local.free_port(), {**base, "EPD_WORKER_ROLE": r, **env}, logs)
+        for role, env in roles.items()
+        for r in [role]
+    }
+    try:
+        for process in started.values():
+            wait_healthy(process.address, 120, lambda p=process: p.popen.poll() is None)
+        yield started
+    finally:
+        for process in started.values():
+            process.popen.terminate()
+        for process in started.values():
+            process.popen.wait(timeout=20)
+
+
+def _request(adapter, request_id: str, prompt: str, max_tokens: int) -> worker_pb2.WorkerRequest:
+    built = adapter.build_prompt([ChatMessage("user", [ChatPart("text", prompt)])], [])
+    sampling = common_pb2.SamplingParams(max_tokens=max_tokens)
+    return worker_pb2.WorkerRequest(request_id=request_id, token_ids=built.token_ids, sampling=sampling)
+
+
+def _split(workers: dict[str, local.Process], request: worker_pb2.WorkerRequest) -> tuple[list[int], str, int]:
+    """Admit at the decode worker, prefill at the prefill worker (pushing to the decode worker), read the tokens:
+    (tokens, finish reason, blocks the decode worker already held)."""
+    decode_address, prefill_address = workers["decode"].address, workers["prefill"].address
+    with grpc.insecure_channel(decode_address) as d, grpc.insecure_channel(prefill_address) as p:
+        receive = worker_pb2.WorkerRequest()
+        receive.CopyFrom(request)
+        receive.kv_transfer.direction = "receive"
+        stream = worker_pb2_grpc.WorkerStub(d).Generate(receive, timeout=120)
+        admitted = next(stream)
+        assert admitted.admitted
+        send = worker_pb2.WorkerRequest()
+        send.CopyFrom(request)
+        send.kv_transfer.direction, send.kv_transfer.peer = "send", decode_address
+        send.kv_transfer.skip_blocks = admitted.kv_skip_blocks
+        prefilled = list(worker_pb2_grpc.WorkerStub(p).Generate(send, timeout=120))
+        assert prefilled[0].admitted and prefilled[-1].finish_reason == "kv_sent" and not prefilled[-1].token_ids
+        tokens, reason = [], ""
+        for response in stream:
+            tokens.extend(response.token_ids)
+            reason = response.finish_reason or reason
+        return tokens, reason, admitted.kv_skip_blocks
+
+
+def _all_free(redis_url: str) -> None:
+    registry = Registry(redis_url)
+    deadline = time.monotonic() + 10
+    while True:
+        states = [m.state for role in ("worker", "prefill") for m in registry.members(role) or []]
+        if len(states) == 2 and all(s["free_blocks"] == s["total_blocks"] and not s["reserved_blocks"] for s in states):
+            registry.close()
+            return
+        assert time.monotonic() < deadline, states
+        time.sleep(0.1)
+
+
+def test_roles_and_layouts_published(workers: dict[str, local.Process], redis_server: RedisServer) -> None:
+    registry = Registry(redis_server.url)
+    [decode], [prefill] = registry.members("worker"), registry.members("prefill")
+    assert (decode.state["worker_role"], prefill.state["worker_role"]) == ("decode", "prefill")
+    assert decode.state["kv_layout"] == prefill.state["kv_layout"] and decode.state["kv_layout"]["model_revision"]
+    registry.close()
+
+
+def test_split_requests_equal_generate(
+    workers: dict[str, local.Process], model_dir: Path, redis_server: RedisServer
+) -> None:
+    """Eight concurrent prompts of 20 to ~200 tokens, each prefilled on the prefill worker in 32-token chunks and
+    decoded on the decode worker; then the longest again, whose prompt blocks the decode worker now caches."""
+    adapter = load_model_info(model_dir).adapter
+    prompts = [f"question {i}: " + LONG * (i % 4) + "what next?" for i in range(8)]
+    sent, received = (
+        lambda: metric_value(workers["prefill"].metrics_port, "epd_kv_transfer_bytes_total"),
+        lambda: metric_value(workers["decode"].metrics_port, "epd_kv_transfer_bytes_total"),
+    )
+    before = sent(), received()
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda i: _split(workers, _request(adapter, f"pd{i}", prompts[i], 12)), range(8)))
+    for i, (tokens, reason, skip) in enumerate(got):
+        expected = hf_generate(model_dir, [ChatMessage("user", [ChatPart("text", prompts[i])])], [], 12)
+        assert tokens == expected, i
+        assert reason == ("length" if len(expected) == 12 else "stop") and skip == 0
+    shipped = sent() - before[0]
+    assert shipped > 0 and received() - before[1] == shipped  # every byte sent arrived
+    again, _, skip = _split(workers, _request(adapter, "pd-again", prompts[3], 12))
+    assert skip > 0 and again == got[3][0]
+    assert 0 < sent() - before[0] - shipped < shipped / 8  # only the blocks past the decode worker's cached prefix
+    _all_free(redis_server.url)
+
+
+def test_cancel_while_the_kv_is_in_flight_frees_both(
+    workers: dict[str, local.Process], model_dir: Path, redis_server: RedisServer
+) -> None:
+    """The decode worker's stream cancelled once admitted (its reservation freed); the prefill still runs and pushes,
+    and its late chunks are dropped there; nothing is held afterwards on either worker."""
+    adapter = load_model_info(model_dir).adapter
+    request = _request(adapter, "pd-cancel", "cancel me " + LONG * 4, 8)
+    decode_address = workers["decode"].address
+    with grpc.insecure_channel(decode_address) as d, grpc.insecure_channel(workers["prefill"].address) as p:
+        receive = worker_pb2.WorkerRequest()
+        receive.CopyFrom(request)
+        receive.kv_transfer.direction = "receive"
+        stream = worker_pb2_grpc.WorkerStub(d).Generate(receive, timeout=120)
+        assert next(stream).admitted
+        send = worker_pb2.WorkerRequest()
+        send.CopyFrom(request)
+        send.kv_transfer.direction, send.kv_transfer.peer = "send", decode_address
+        prefilled = worker_pb2_grpc.WorkerStub(p).Generate(send, timeout=120)
+        assert next(prefilled).admitted
+        stream.cancel()
+        cancelled = threading.Event()
+        try:
+            for response in prefilled:
+                assert response.finish_reason in ("", "kv_sent")
+        except grpc.RpcError:
+            cancelled.set()  # a push the decode worker refused is a clear failure too
+    _all_free(redis_server.url)
