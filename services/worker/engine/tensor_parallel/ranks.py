@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import dataclasses
 import datetime
 import logging
 import multiprocessing
@@ -202,7 +203,7 @@ def rank_main(spec: RankSpec, conn: Connection, events: list[Any]) -> None:
         group = Collectives.create(store, spec.rank, spec.size, device, config.tensor_parallel_timeout_s)
         shard_language_model(model, plan, spec.rank, group)
         model.to(device)
-        runner = ShardRunner(adapter, model, config, group)
+        runner = ShardRunner(adapter, model, dataclasses.replace(config, device=str(device)), group)  # its own GPU
         conn.send(("ready", None))
     except BaseException as exc:
         log.exception("rank %d failed to start", spec.rank)
