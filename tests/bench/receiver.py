@@ -98,7 +98,7 @@ def _main(conn: Any) -> None:
 class ReceiverProcess:
     """The receiver in a child process; `address` is its gRPC host:port. Use as a context manager."""
 
-    def __init__(self, start_timeout_s: float = 60.0) -> None:
+    def __init__(self, start_timeout_s: float = 300.0) -> None:  # a spawn importing torch at load 13 took > 60 s
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self._process = context.Process(target=_main, args=(child,), daemon=True, name="epd-receiver")

@@ -54,6 +54,9 @@ def cluster(request, redis_server: RedisServer, tmp_path_factory) -> Iterator[Cl
         "EPD_MAX_VIDEO_FRAME_PIXELS": str(MAX_FRAME_PIXELS),
         "EPD_MAX_VIDEO_SECONDS": str(MAX_SECONDS),
         "EPD_MAX_ITEM_BYTES": str(8 << 20),
+        # deadlines only a hang misses: a module's first video encode took over 60 s on a box at load 13
+        "EPD_ENCODE_TIMEOUT_S": "300",
+        "EPD_EMBEDDING_TIMEOUT_S": "300",
     }
     spec = ClusterSpec(
         model_dir, redis_url=redis_server.url, free_ports=True, env=env, log_dir=tmp_path_factory.mktemp("logs")
