@@ -82,3 +82,19 @@ def test_the_engine_process_cannot_spawn_ranks(tiny_model_dir: Path) -> None:
     env = {"EPD_MODEL": str(tiny_model_dir), "EPD_ENGINE_PROCESS": "true", "EPD_TENSOR_PARALLEL_SIZE": "2"}
     with pytest.raises(ConfigError, match="EPD_ENGINE_PROCESS=true cannot spawn tensor-parallel ranks"):
         load(WorkerConfig, env=env)
+
+
+def test_channel_files_of_dead_creators_are_removed(tmp_path: Path) -> None:
+    """A worker killed while its ranks started leaves its /dev/shm file; the next one to start removes it."""
+    import os
+    import subprocess
+
+    from services.worker.engine.tensor_parallel.channel import PREFIX, remove_orphans
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead, live, other = (tmp_path / f"{PREFIX}{gone.pid}-abc", tmp_path / f"{PREFIX}{os.getpid()}-def", tmp_path / "x")
+    for path in (dead, live, other):
+        path.write_bytes(b"")
+    remove_orphans(str(tmp_path))
+    assert not dead.exists() and live.exists() and other.exists()

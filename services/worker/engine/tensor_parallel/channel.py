@@ -16,6 +16,8 @@ from typing import Any
 CHANNEL_BYTES = 16 << 20
 """The message area: a step's ints (ids, slots, positions, attention metadata) as a pickled list."""
 _HEADER = struct.Struct("<Q")
+PREFIX = "epd-tp-"
+"""Channel files are ``epd-tp-<pid of rank 0>-<random>``."""
 
 
 class StepChannel:
@@ -39,9 +41,11 @@ class StepChannel:
 
     @classmethod
     def create(cls, events: list[Any]) -> StepChannel:
-        """Rank 0's side: a new area in /dev/shm (the temporary directory where there is none)."""
-        directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, path = tempfile.mkstemp(prefix="epd-tp-", dir=directory)
+        """Rank 0's side: a new area in /dev/shm (the temporary directory where there is none), named after this
+        process; first the areas of processes that died before their ranks opened them are removed."""
+        directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        remove_orphans(directory)
+        fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", dir=directory)
         try:
             os.ftruncate(fd, CHANNEL_BYTES)
         finally:
@@ -74,6 +78,26 @@ class StepChannel:
         message = pickle.loads(self.area[_HEADER.size : _HEADER.size + size])
         event.clear()
         return message
+
+
+def remove_orphans(directory: str) -> None:
+    """Remove the channel files in ``directory`` whose creator (the pid in the name) no longer runs: a worker
+    killed while its ranks were still starting leaves its file behind."""
+    for name in os.listdir(directory):
+        pid = name[len(PREFIX) :].split("-", 1)[0]
+        if name.startswith(PREFIX) and pid.isdigit() and not _running(int(pid)):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, name))
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's
+        return True
+    return True
 
 
 def parent_alive(parent: int) -> Callable[[], bool]:

@@ -87,10 +87,24 @@ class RankGroup:
         context = multiprocessing.get_context("spawn")
         self._events = [context.Event() for _ in range(size - 1)]
         self.channel = StepChannel.create(self._events)
-        self._store = dist.TCPStore(STORE_HOST, 0, size, is_master=True, timeout=_td(_store_timeout(config)),
-                                    wait_for_workers=False)  # fmt: skip
         self.processes: list[Any] = []
         self._conns: list[Connection] = []
+        try:
+            self._spawn(context, model_dir, config)
+            atexit.register(self.stop)
+            self._wait_for("loaded")
+        except BaseException:
+            self.stop()  # whatever started ends (safe after _wait_for's own stop)
+            raise
+        finally:
+            self.channel.unlink()  # every rank has opened it (or is gone)
+        self.group = Collectives.create(self._store, 0, size, rank_device(config.device, 0), self.timeout_s)
+
+    def _spawn(self, context: Any, model_dir: str, config: EngineConfig) -> None:
+        """The TCPStore the ranks meet at, and ranks 1..n-1 started."""
+        size = self.size
+        self._store = dist.TCPStore(STORE_HOST, 0, size, is_master=True, timeout=_td(_store_timeout(config)),
+                                    wait_for_workers=False)  # fmt: skip
         for rank in range(1, size):
             ours, theirs = context.Pipe()
             spec = RankSpec(rank, size, model_dir, config, self._store.port, self.channel.path, os.getpid(),
@@ -100,12 +114,6 @@ class RankGroup:
             theirs.close()
             self.processes.append(process)
             self._conns.append(ours)
-        atexit.register(self.stop)
-        try:
-            self._wait_for("loaded")
-        finally:
-            self.channel.unlink()  # every rank has opened it (or is gone)
-        self.group = Collectives.create(self._store, 0, size, rank_device(config.device, 0), self.timeout_s)
 
     def ready(self) -> None:
         """Wait until every rank has built its runner, then watch them."""
