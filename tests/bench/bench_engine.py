@@ -5,8 +5,10 @@
 Mixed workload: text prompts, a share of them with a 448x448 image, 64 to 256 output tokens (eos
 ignored, so both runs produce exactly the same number of tokens), Poisson arrivals. Images are encoded
 in both runs on the same process (the engine encodes at arrival, as a co-located worker; `generate` runs
-the vision tower inside each batch). Prints tokens/s, TTFT and inter-token latency p50/p99 for both,
-then one JSON line with `tokens_per_s`, `baseline_tokens_per_s` and `ratio`.
+the vision tower inside each batch). Prints tokens/s, TTFT and inter-token latency p50/p99 for both, tokens per
+CPU-second of each (`cpu_ratio`), the engine's decode step at `--max-num-seqs` sequences against the bare forward
+of the same batch (tests/bench/step_overhead.py: `overhead_ratio`, `overhead_cpu_ratio`), then one JSON line with
+`tokens_per_s`, `baseline_tokens_per_s`, `ratio` and those.
 
 With `--structured` the engine runs the workload twice in the same run, without a constraint and with a
 JSON-schema constraint on every request (`STRUCTURED_SCHEMA`: at least 64 objects of a name and a flag, so
@@ -241,12 +243,16 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
         # process, so collections need not walk it; without this a full collection pauses either run ~10 ms
         gc.collect()
         gc.freeze()
-        ours, base = [], []
+        ours, base, ours_cpu, base_cpu = [], [], [], []
         for _ in range(args.repeats):  # alternate, so a noisy neighbour hits both alike
+            cpu = time.process_time()
             ours.append(summarize(run_engine(adapter, engine_model, requests, engine_config(args), args.colocated)))
+            ours_cpu.append(ours[-1].output_tokens / (time.process_time() - cpu))
+            cpu = time.process_time()
             base.append(
                 summarize(run_static_batches(adapter, baseline_model, requests, args.baseline_batch, args.colocated))
             )
+            base_cpu.append(base[-1].output_tokens / (time.process_time() - cpu))
         overhead = None
         if args.overhead_steps:
             overhead = measure_step_overhead(adapter, engine_model, requests, engine_config(args), args.overhead_steps)
@@ -272,13 +278,24 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
         **{f"baseline_{k}": v for k, v in asdict(base_median).items()},
         "ratio": ours_median.tokens_per_s / base_median.tokens_per_s,
         "requests": len(requests),
+        "cpu_tokens_per_s": statistics.median(ours_cpu),
+        "baseline_cpu_tokens_per_s": statistics.median(base_cpu),
     }
+    result["cpu_ratio"] = result["cpu_tokens_per_s"] / result["baseline_cpu_tokens_per_s"]
+    print(
+        f"per CPU-second of this process: engine {result['cpu_tokens_per_s']:.1f} tokens, generate "
+        f"{result['baseline_cpu_tokens_per_s']:.1f} (ratio {result['cpu_ratio']:.2f}; a busy neighbour does not "
+        f"inflate CPU time as it does the wall clock)"
+    )
     if overhead is not None:
         print(overhead.line())
         result.update(
             engine_step_ms=overhead.engine_step_ms,
             bare_forward_ms=overhead.bare_forward_ms,
             overhead_ratio=overhead.ratio,
+            engine_step_cpu_ms=overhead.engine_step_cpu_ms,
+            bare_forward_cpu_ms=overhead.bare_forward_cpu_ms,
+            overhead_cpu_ratio=overhead.cpu_ratio,
             overhead_rows=overhead.rows,
         )
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))

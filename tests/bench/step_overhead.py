@@ -3,7 +3,8 @@
 The bare forward is what the step computes without the engine around it: the same model modules (embedding,
 language model with its attention over the paged KV, the head at the sampled rows) on the same rows, contexts
 and KV, staged before its clock (`ModelRunner.staged_forward`), so scheduling, the step's metadata, the upload,
-sampling, the host read and the outputs are what the ratio counts.
+sampling, the host read and the outputs are what the ratio counts. Both are timed on the wall clock and in the
+process's CPU time (which a busy neighbour on a shared box does not inflate).
 """
 
 from __future__ import annotations
@@ -23,23 +24,31 @@ from tests.bench.workload import BenchRequest
 
 @dataclass(frozen=True)
 class StepOverhead:
-    """Medians over ``steps`` decode steps of ``rows`` sequences at ``context`` tokens each on average."""
+    """Medians over ``steps`` decode steps of ``rows`` sequences at ``context`` tokens each on average, wall clock
+    and CPU time."""
 
     rows: int
     context: int
     steps: int
     engine_step_ms: float
     bare_forward_ms: float
+    engine_step_cpu_ms: float
+    bare_forward_cpu_ms: float
 
     @property
     def ratio(self) -> float:
         return self.engine_step_ms / self.bare_forward_ms
 
+    @property
+    def cpu_ratio(self) -> float:
+        return self.engine_step_cpu_ms / self.bare_forward_cpu_ms
+
     def line(self) -> str:
         return (
             f"decode step, {self.rows} sequences decoding (mean context {self.context} tokens), {self.steps} steps "
             f"alternating: engine step {self.engine_step_ms:.3f} ms, bare forward {self.bare_forward_ms:.3f} ms "
-            f"(overhead ratio {self.ratio:.2f})"
+            f"(overhead ratio {self.ratio:.2f}); CPU {self.engine_step_cpu_ms:.3f} / {self.bare_forward_cpu_ms:.3f} "
+            f"ms ({self.cpu_ratio:.2f})"
         )
 
 
@@ -66,17 +75,20 @@ def measure_step_overhead(
         if any(out.finished for out in engine.step()):
             raise RuntimeError("a request ended before the whole batch decoded")
     runner = engine.runner
-    ours, bare = [], []
+    ours, bare, ours_cpu, bare_cpu = [], [], [], []
     context = sum(s.num_tokens for s in running) // len(running) + steps // 2
     for _ in range(steps):
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         engine.step()
         ours.append(time.perf_counter() - started)
+        ours_cpu.append(time.process_time() - cpu)
         chunks = runner.last_chunks
         if len(chunks) != len(batch) or any(c.num_tokens != 1 for c in chunks):
             raise RuntimeError("a measured step was not a decode step of the whole batch")
         forward = runner.staged_forward(chunks, engine.embeddings)
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         forward()
         bare.append(time.perf_counter() - started)
-    return StepOverhead(len(batch), context, steps, 1e3 * statistics.median(ours), 1e3 * statistics.median(bare))
+        bare_cpu.append(time.process_time() - cpu)
+    ms = [1e3 * statistics.median(x) for x in (ours, bare, ours_cpu, bare_cpu)]
+    return StepOverhead(len(batch), context, steps, *ms)

@@ -62,6 +62,7 @@ class SdpaBackend:
         self._arange = torch.arange(1024, device=device)
         self._zero = torch.zeros((), dtype=dtype, device=device)
         self._minus_inf = torch.full((), float("-inf"), dtype=dtype, device=device)
+        self._offsets: torch.Tensor | None = None
 
     def lay_out(self, step: StepInput, table_width: int | None = None) -> None:
         lay_out_gathered(step, self.block_size, self.group_cost)
@@ -89,12 +90,22 @@ class SdpaBackend:
             inside = span[: c.context_len][None, :] <= span[first : c.context_len][:, None]
             spans.append(ChunkSpan(c.query_start, c.query_len, c.context_len, block_ids, self._additive(inside)))
         slots = packed[n : 2 * n]
-        key_slots = _key_slots(slots, size, kv.keys[0].shape[2]) if kv.layout == DIM_MAJOR_KEYS else None
+        key_slots = (
+            _key_slots(slots, size, self._dim_offsets(kv.keys[0].shape[2])) if kv.layout == DIM_MAJOR_KEYS else None
+        )
         return GatheredContext(kv, slots, key_slots, groups, spans, self.decode_kernel)
 
     def _additive(self, inside: torch.Tensor) -> torch.Tensor:
         """0 where ``inside``, -inf elsewhere: built once per step (SDPA converts a bool mask per call)."""
         return torch.where(inside, self._zero, self._minus_inf)
+
+    def _dim_offsets(self, head_dim: int) -> torch.Tensor:
+        """``arange(head_dim) * block_size`` on the device (with dim-major keys, dim d of a token is ``d`` blocks
+        of tokens further on), made once."""
+        offsets = self._offsets
+        if offsets is None or offsets.shape[0] != head_dim:
+            offsets = self._offsets = torch.arange(head_dim, device=self.device) * self.block_size
+        return offsets
 
     def _span(self, length: int) -> torch.Tensor:
         """``arange(length)`` or longer, on the device; grown by doubling, reused across steps."""
@@ -148,10 +159,13 @@ class GatheredContext:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
-def _key_slots(slots: torch.Tensor, block_size: int, head_dim: int) -> torch.Tensor:
-    """With dim-major keys, the flat indices in one head's keys of token slots ``slots [T]``, dim by dim (``[T*D]``)."""
-    base = slots // block_size * (head_dim * block_size) + slots % block_size
-    return (base[:, None] + torch.arange(head_dim, device=slots.device) * block_size).view(-1)
+def _key_slots(slots: torch.Tensor, block_size: int, offsets: torch.Tensor) -> torch.Tensor:
+    """With dim-major keys, the flat indices in one head's keys of token slots ``slots [T]``, dim by dim (``[T*D]``;
+    ``offsets``: ``arange(D) * block_size``). Slot ``s`` of block ``b = s // size`` sits at ``b * D * size + s % size``,
+    i.e. ``s + b * (D - 1) * size``: three tensor calls a step (the layers share the result)."""
+    blocks = slots.div(block_size, rounding_mode="floor")
+    base = slots.add(blocks, alpha=(offsets.shape[0] - 1) * block_size)
+    return (base[:, None] + offsets).view(-1)
 
 
 def _write_slots(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
