@@ -188,6 +188,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         fetchers = [asyncio.create_task(self._fetch(m.mm_hash, timeout)) for m in media]
         embedded = _LastDone(fetchers)  # when the last embedding arrived: the first response's encode_wait_s
         watcher = asyncio.create_task(self._watch_fetches(fetchers, outputs))
+        kv_deadline = None
+        if direction == KV_RECEIVE:  # its prefill worker may die or stall: the reservation is not held forever
+            kv_deadline = asyncio.create_task(_kv_deadline(outputs, self._config.kv_transfer_timeout_s))
         finished = False
         first_token = True
         generated = cached = 0
@@ -223,6 +226,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 opening = first_token  # this message carries the first tokens: and the embedding wait
                 if first_token:
                     first_token = False
+                    if kv_deadline is not None:
+                        kv_deadline.cancel()
                     self._metrics.prefill_seconds.record(time.perf_counter() - start)
                     prefill = {"gen_ai.usage.prompt_tokens": len(request.token_ids), "epd.cached_tokens": cached}
                     stages.mark("worker.prefill", prefill)
@@ -250,6 +255,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if relay is not None:
                 relay.unbind(request.request_id)
             watcher.cancel()
+            if kv_deadline is not None:
+                kv_deadline.cancel()
             for task in fetchers:
                 task.cancel()
             if not finished:
@@ -363,6 +370,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except EngineGone:
             found = False  # its engine process is gone, and the request with it
         return worker_pb2.AbortReply(found=found)
+
+
+async def _kv_deadline(outputs: asyncio.Queue, timeout_s: float) -> None:
+    """Put a FetchFailed on a receiving request's queue when its KV has not all arrived within ``timeout_s`` (the
+    request then ends DEADLINE_EXCEEDED, its blocks freed; its router re-admits it; late chunks are dropped)."""
+    await asyncio.sleep(timeout_s)
+    outputs.put_nowait(FetchFailed(f"the remote prefill's KV did not arrive within {timeout_s:g}s"))
 
 
 class _LastDone:

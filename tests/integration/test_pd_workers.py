@@ -6,6 +6,8 @@ in flight frees every block on both."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +26,7 @@ from services.models.base import ChatMessage, ChatPart
 from tests.integration.conftest import RedisServer, metric_value, model_folder
 from tests.oracle import hf_generate
 
+DEADLINE_S = 15.0  # the decode worker's EPD_KV_TRANSFER_TIMEOUT_S
 LONG = "the quick brown fox jumps over the lazy dog while a small cat watches from the warm window "
 
 
@@ -38,7 +41,7 @@ def workers(
 ) -> Iterator[dict[str, local.Process]]:
     logs = tmp_path_factory.mktemp("logs")
     base = {"EPD_MODEL": str(model_dir), "EPD_REDIS_URL": redis_server.url, "EPD_TORCH_THREADS": "1"}
-    roles = {"prefill": {"EPD_MAX_NUM_BATCHED_TOKENS": "32"}, "decode": {}}
+    roles = {"prefill": {"EPD_MAX_NUM_BATCHED_TOKENS": "32"}, "decode": {"EPD_KV_TRANSFER_TIMEOUT_S": str(DEADLINE_S)}}
     started = {
         role: local.spawn("worker", local.free_port(), local.free_port(), {**base, "EPD_WORKER_ROLE": r, **env}, logs)
         for role, env in roles.items()
@@ -157,4 +160,38 @@ def test_cancel_while_the_kv_is_in_flight_frees_both(
                 assert response.finish_reason in ("", "kv_sent")
         except grpc.RpcError:
             cancelled.set()  # a push the decode worker refused is a clear failure too
+    _all_free(redis_server.url)
+
+
+def test_a_stalled_prefill_past_the_deadline_frees_the_reservation(
+    workers: dict[str, local.Process], model_dir: Path, redis_server: RedisServer
+) -> None:
+    """The prefill worker stopped (SIGSTOP) before it gets the request: the decode worker ends the request
+    DEADLINE_EXCEEDED once its KV is EPD_KV_TRANSFER_TIMEOUT_S late, freeing its reservation; resumed, the prefill
+    worker prefills and pushes anyway, the decode worker drops the late chunks, and nothing is held on either."""
+    adapter = load_model_info(model_dir).adapter
+    request = _request(adapter, "pd-stalled", "stalled " + LONG * 2, 8)
+    decode_address, prefill = workers["decode"].address, workers["prefill"]
+    with grpc.insecure_channel(decode_address) as d, grpc.insecure_channel(prefill.address) as p:
+        receive = worker_pb2.WorkerRequest()
+        receive.CopyFrom(request)
+        receive.kv_transfer.direction = "receive"
+        stream = worker_pb2_grpc.WorkerStub(d).Generate(receive, timeout=120)
+        assert next(stream).admitted
+        send = worker_pb2.WorkerRequest()
+        send.CopyFrom(request)
+        send.kv_transfer.direction, send.kv_transfer.peer = "send", decode_address
+        os.kill(prefill.popen.pid, signal.SIGSTOP)
+        try:
+            prefilled = worker_pb2_grpc.WorkerStub(p).Generate(send, timeout=120)
+            start = time.monotonic()
+            with pytest.raises(grpc.RpcError) as ended:
+                list(stream)
+            waited = time.monotonic() - start
+        finally:
+            os.kill(prefill.popen.pid, signal.SIGCONT)
+        assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "did not arrive" in ended.value.details()
+        assert waited < DEADLINE_S + 10
+        reasons = [r.finish_reason for r in prefilled]
+        assert reasons[-1] == "kv_sent"  # pushed after all: the decode worker acknowledged and dropped it
     _all_free(redis_server.url)
