@@ -195,3 +195,39 @@ def test_a_stalled_prefill_past_the_deadline_frees_the_reservation(
         reasons = [r.finish_reason for r in prefilled]
         assert reasons[-1] == "kv_sent"  # pushed after all: the decode worker acknowledged and dropped it
     _all_free(redis_server.url)
+
+
+def test_image_prompts_split_equal_generate(
+    workers: dict[str, local.Process], model_dir: Path, redis_server: RedisServer
+) -> None:
+    """Prompts of one to three images (M-RoPE positions) beside text, their embeddings pushed to the prefill worker
+    only: the decode worker, which never sees an embedding, decodes each as `generate` does."""
+    from services.common.media_refs import media_ref
+    from services.common.transport_grpc import Embedding, iter_chunks
+    from tests.engine_support import build_prompt, image, reference
+
+    adapter = load_model_info(model_dir).adapter
+    model = adapter.load_model()
+    small, big, tall = image(56, 56, 11), image(224, 224, 12), image(90, 300, 13)
+    parts = [[small, "what is this?"], [big, "describe it"], [tall, small, "compare"], ["text " + LONG, big, "and"]]
+    prompts = [build_prompt(adapter, model, p) for p in parts]
+    with grpc.insecure_channel(workers["prefill"].address) as p:
+        items = [Embedding(h, t) for prompt in prompts for h, t in prompt.embeddings.items()]
+        ack = worker_pb2_grpc.WorkerStub(p).PushEmbeddings(iter_chunks(items), timeout=60)
+        assert ack.items == len(items)
+
+    def split(i: int) -> list[int]:
+        prompt = prompts[i]
+        request = worker_pb2.WorkerRequest(
+            request_id=f"pd-img{i}",
+            token_ids=prompt.token_ids,
+            media=[media_ref(span) for span in prompt.media],
+            sampling=common_pb2.SamplingParams(max_tokens=10),
+        )
+        return _split(workers, request)[0]
+
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(split, range(len(prompts))))
+    for i, prompt in enumerate(prompts):
+        assert got[i] == reference(model_dir, prompt, 10), i
+    _all_free(redis_server.url)
