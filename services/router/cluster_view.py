@@ -26,6 +26,7 @@ from services.common.registry import Member, Registry, draining_role
 
 log = logging.getLogger(__name__)
 FORGET_AFTER_S = 600.0  # a worker missing this long is forgotten (addresses come and go)
+STALE_S = 1.0  # an encoder's heartbeat this old (5 intervals) is taken to have stopped: its backlog drains
 
 
 @dataclass(frozen=True)
@@ -48,37 +49,47 @@ class WorkerView:
 
 @dataclass(frozen=True)
 class EncoderView:
-    """An encoder's last published load, and this router's estimate of its backlog now (`backlog_ms`)."""
+    """An encoder's last published load, and this router's estimate of its queue now (`backlog_items`)."""
 
     address: str
     queued_tokens: int
     over_budget_ms: int = 0  # how far its queue's expected wait was past its budget (0: it admits)
     item_ms: float = 0.0  # its measured drain rate (0: an encoder that does not publish one)
     budget_ms: int = 0  # the longest expected wait it admits
-    backlog_ms: float = 0.0  # its queued items at its drain rate, plus this router's bookings, drained since
+    backlog_items: float = 0.0  # its queued items, plus this router's bookings since (`_Backlog`)
 
     def past_budget_ms(self, items: int) -> int:
         """How far past its budget the encoder's expected wait would be with `items` more, as the encoder itself
         judges it (services/encoder/load.py: nothing queued admits anything; else every queued item and these at
-        its drain rate), from this router's estimate of its backlog; 0 when they would be admitted."""
+        its drain rate), from this router's estimate of its queue; 0 when they would be admitted."""
         if not self.item_ms or not self.budget_ms:
             return self.over_budget_ms  # an encoder publishing no rate: its own verdict
-        if self.backlog_ms <= 0:
+        if self.backlog_items <= 0:
             return 0
-        return max(0, math.ceil(self.backlog_ms + items * self.item_ms - self.budget_ms))
+        return max(0, math.ceil((self.backlog_items + items) * self.item_ms - self.budget_ms))
 
 
 @dataclass
 class _Backlog:
-    """One encoder's backlog as this router reckons it: `ms` of work at time `at` (this router's clock), counted
-    from the heartbeat published at `published_at`, drained at one second a second."""
+    """One encoder's queue as this router reckons it: the `items` its heartbeat published at `published_at`
+    said (read by this router at `read_at`, its clock) plus this router's bookings since. Heartbeats come every
+    fraction of a second and replace it, so nothing is drained meanwhile (the encoder's own wait falls only as
+    items finish); once none has come for `STALE_S` it drains at the published rate (fail open while blind)."""
 
     published_at: float
-    ms: float
-    at: float
+    items: float
+    read_at: float
+    item_ms: float
 
     def now(self, now: float) -> float:
-        return max(0.0, self.ms - 1000 * (now - self.at))
+        drained = 1000 * max(0.0, now - self.read_at - STALE_S) / self.item_ms if self.item_ms else 0.0
+        return max(0.0, self.items - drained)
+
+    def add(self, items: int, now: float) -> None:
+        """`items` more (negative: fewer) from `now` on; what drained before stays drained."""
+        current = self.now(now)
+        self.read_at = max(self.read_at, now - STALE_S)
+        self.items = max(0.0, current + items)
 
 
 @dataclass(eq=False)
@@ -139,8 +150,8 @@ class ClusterView:
             self._backlogs = {}
             for m in encoders:  # a new heartbeat replaces what this router reckoned since the last one
                 same = m.address in known and known[m.address].published_at == m.published_at
-                queued_ms = int(m.state.get("queued_items", 0)) * float(m.state.get("item_ms", 0.0))
-                self._backlogs[m.address] = known[m.address] if same else _Backlog(m.published_at, queued_ms, now)
+                queued, item_ms = int(m.state.get("queued_items", 0)), float(m.state.get("item_ms", 0.0))
+                self._backlogs[m.address] = known[m.address] if same else _Backlog(m.published_at, queued, now, item_ms)
         # An admission or release stays pending until the worker publishes a state read after it
         # (both times are the worker's own clock, taken from its replies).
         seen = {m.address: float(m.state.get("snapshot_at", m.published_at)) for m in self._workers}
@@ -213,15 +224,11 @@ class ClusterView:
         return self._absent.get(worker, 0.0)
 
     def note_sent(self, encoder: str, items: int) -> None:
-        """This router booked `items` items on `encoder` (negative: taken back): added to its backlog at its drain
-        rate until its next heartbeat (which counts them itself, once admitted), so a burst sees what it adds."""
-        member = next((m for m in self._encoders if m.address == encoder), None)
+        """This router booked `items` items on `encoder` (negative: taken back): added to its queue until its next
+        heartbeat (which counts them itself, once admitted), so a burst sees what it adds."""
         backlog = self._backlogs.get(encoder)
-        if member is None or backlog is None:
-            return
-        now = self._clock()
-        item_ms = float(member.state.get("item_ms", 0.0))
-        backlog.ms, backlog.at = max(0.0, backlog.now(now) + items * item_ms), now
+        if backlog is not None:
+            backlog.add(items, self._clock())
 
     def encoders(self) -> list[EncoderView]:
         now = self._clock()
@@ -236,7 +243,7 @@ class ClusterView:
                     int(state.get("over_budget_ms", 0)),
                     item_ms=float(state.get("item_ms", 0.0)),
                     budget_ms=int(state.get("budget_ms", 0)),
-                    backlog_ms=backlog.now(now) if backlog is not None else 0.0,
+                    backlog_items=backlog.now(now) if backlog is not None else 0.0,
                 )
             )
         return out

@@ -20,7 +20,9 @@ for at most `hold_s` in all and never past its deadline, as requests wait for KV
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -29,7 +31,7 @@ import grpc
 from services.common import overload
 from services.common.embedding_cache import EmbeddingCache
 from services.common.placement_hash import group_by_encoder
-from services.common.rpc.epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
+from services.common.rpc.epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc, generation_pb2
 from services.router.admission import Rejection
 from services.router.cluster_view import ClusterView
 from services.router.errors import RequestError, invalid, unavailable
@@ -72,6 +74,27 @@ class EncodeReport:
             setattr(self.stages, name, max(getattr(self.stages, name), getattr(stages, name)))
 
 
+KNOWN_CACHED = 4096
+"""Media sources remembered as cached (`EncodeDispatcher.remember`), most recent first kept."""
+
+
+def media_sources(request: generation_pb2.GenerateRequest, tenant: str) -> list[str]:
+    """One key per media item of `request`, in prompt order, from its bytes or URL as sent (a sha256 of the
+    tenant and the source, no decoding): cheap enough to take before the request is prepared."""
+    keys = []
+    for message in request.messages:
+        for part in message.content:
+            kind = part.WhichOneof("part")
+            if kind not in ("image", "video"):
+                continue
+            media = getattr(part, kind)
+            source = media.data if media.WhichOneof("source") == "data" else media.url.encode()
+            digest = hashlib.sha256(tenant.encode() + b"\0" + kind.encode() + b"\0")
+            digest.update(source)
+            keys.append(digest.hexdigest())
+    return keys
+
+
 class EncodeDispatcher:
     def __init__(
         self,
@@ -88,6 +111,7 @@ class EncodeDispatcher:
         self._cache = cache
         self._channel = channel
         self._static = static_encoders
+        self._cached_sources: OrderedDict[str, None] = OrderedDict()  # `media_sources` keys found cached
 
     def _encoders(self) -> list[str]:
         return [e.address for e in self._view.encoders()] or list(self._static)
@@ -103,6 +127,29 @@ class EncodeDispatcher:
             for ref, blob, hit in zip(refs, data, cached, strict=True)
             if not hit
         ]
+
+    def precheck(self, sources: list[str]) -> None:
+        """Before a request is prepared (its media decoded, hashed and looked up): refuse it at once, as
+        `check_room` would, when it carries media not known to be cached (`remember`) and no encoder would
+        admit that many items. An overloaded router then spends nothing on the requests it must refuse, and a
+        request whose images this router saw cached goes on to the real lookup."""
+        unknown = sum(1 for key in sources if key not in self._cached_sources)
+        encoders = self._view.encoders()
+        if unknown and encoders and all(e.past_budget_ms(unknown) > 0 for e in encoders):
+            raise Rejection(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "every encoder is busy (its queue's expected wait is past its budget); retry later",
+                "encoders_busy",
+                max(20, min(e.past_budget_ms(unknown) for e in encoders)),
+            )
+
+    def remember(self, sources: list[str]) -> None:
+        """These media sources' embeddings are cached (looked up, or just encoded): `precheck` lets them by."""
+        for key in sources:
+            self._cached_sources[key] = None
+            self._cached_sources.move_to_end(key)
+        while len(self._cached_sources) > KNOWN_CACHED:
+            self._cached_sources.popitem(last=False)
 
     def check_room(self, items: list[encoder_pb2.EncodeItem]) -> Booking:
         """Refuse at once (RESOURCE_EXHAUSTED, before any worker reserves blocks) when there are items to encode

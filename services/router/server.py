@@ -32,7 +32,7 @@ from services.router.admission import Admission, Rejection
 from services.router.auth import DEFAULT_TENANT
 from services.router.cluster_view import ClusterView
 from services.router.config import RouterConfig
-from services.router.encode_dispatch import EncodeDispatcher
+from services.router.encode_dispatch import EncodeDispatcher, media_sources
 from services.router.errors import RequestError
 from services.router.metrics import RouterMetrics
 from services.router.migration import Migrations, Progress, WorkerLost, continuation, lost_reason, watch_vanished
@@ -189,6 +189,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """Admit, encode, stream; a worker failing mid-stream: continue on another (router/migration.py).
         The tenant is folded into the prefix salt and the items' keys here, before anything downstream."""
         intake_from = time.perf_counter()
+        sources = media_sources(request, tenant)
+        self._dispatcher.precheck(sources)  # no encoder has room for its unknown images: refused before any work
         with tracer().start_as_current_span("intake") as intake:  # parse, fetch, count; no text in the span
             prepared = await self._prep.prepare(request)
             intake.set_attribute("epd.items", len(prepared.accounted.refs))
@@ -219,7 +221,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         while not choices.done:
             attempt = continuation(base, state.progress, migrations.done)
             try:
-                async with contextlib.aclosing(self._attempt(attempt, accounted, deadline, state)) as chunks:
+                async with contextlib.aclosing(self._attempt(attempt, accounted, deadline, state, sources)) as chunks:
                     async for chunk in chunks:
                         yield generation_pb2.GenerateResponse(chunk=chunk)
                 break
@@ -230,9 +232,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         yield generation_pb2.GenerateResponse(final=state.final(accounted, request_id, migrations.done))
 
     async def _attempt(
-        self, worker_request: worker_pb2.WorkerRequest, accounted: Accounted, deadline: float, state: StreamState
+        self,
+        worker_request: worker_pb2.WorkerRequest,
+        accounted: Accounted,
+        deadline: float,
+        state: StreamState,
+        sources: list[str],
     ):
-        """One worker serving the request: admission, the encode task, the stream; the chunks for the client.
+        """One worker serving the request: admission, the encode task, the stream; the chunks for the client
+        (`sources`: its media's `media_sources` keys, remembered once their embeddings are cached).
         Raises WorkerLost when the worker fails in a way another worker may cure."""
         blocks = RequestBlocks.for_prompt(
             list(worker_request.token_ids),
@@ -243,6 +251,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
         items = await self._dispatcher.uncached(list(accounted.refs), accounted.item_data)
         note_step("lookup")
+        if len(sources) == len(accounted.refs):  # the found ones are let by `precheck` from now on
+            missing = {item.ref.mm_hash for item in items}
+            found = [key for key, ref in zip(sources, accounted.refs, strict=True) if ref.mm_hash not in missing]
+            self._dispatcher.remember(found)
         booking = self._dispatcher.check_room(items)  # no encoder has room: refused before a worker reserves
         try:
             with tracer().start_as_current_span("admission") as placing:  # the worker call opened here is its child
@@ -262,7 +274,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._dispatcher.encode_items(worker_request.request_id, items, admitted.worker, deadline, booking)
         )
         encode.add_done_callback(lambda task: task.cancelled() or task.exception() is None or call.cancel())
-        encode.add_done_callback(lambda task: self._record_encode(task, state))
+        encode.add_done_callback(lambda task: self._record_encode(task, state, sources))
         vanished = asyncio.Event()
         watch = asyncio.create_task(
             watch_vanished(self._view.absent_for, admitted.worker, lambda: (vanished.set(), call.cancel()))
@@ -278,8 +290,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             encode.cancel()
             self._admission.released(admitted.worker, admitted.blocks, end.released_at)
 
-    def _record_encode(self, task: asyncio.Task, state: StreamState) -> None:
-        """Encode time of the items sent to encoders (the task may end after the last token)."""
+    def _record_encode(self, task: asyncio.Task, state: StreamState, sources: list[str]) -> None:
+        """Encode time of the items sent to encoders (the task may end after the last token); the request's
+        media are cached from now on."""
+        if not task.cancelled() and task.exception() is None:
+            self._dispatcher.remember(sources)
         if not task.cancelled() and task.exception() is None and task.result().seconds > 0:
             self._metrics.encode_seconds.record(task.result().seconds)
             state.encode_s += task.result().seconds

@@ -18,7 +18,7 @@ from services.common.grpc_server import ServiceBinding, start_server
 from services.common.registry import Registry
 from services.common.rpc.epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 from services.router.cluster_view import ClusterView
-from services.router.encode_dispatch import EncodeDispatcher
+from services.router.encode_dispatch import EncodeDispatcher, media_sources
 from services.router.errors import RequestError
 from tests.redis_server import RedisServer
 
@@ -124,9 +124,9 @@ def test_every_encoder_past_its_budget_refuses_before_any_call(cache: EmbeddingC
 def test_the_router_counts_what_it_booked_since_the_encoders_heartbeat() -> None:
     """An encoder publishing its queue, drain rate and budget is judged as it judges itself, with the items this
     router booked on it since that heartbeat added (each request's at once, so requests checked meanwhile see
-    them) and what it drained since taken off: a burst is refused at the router once its own bookings would pass
-    the budget, before any worker or encoder call; a booking given back no longer counts, and the next heartbeat
-    (which counts admitted items itself) replaces them."""
+    them): a burst is refused at the router once its own bookings would pass the budget, before any worker or
+    encoder call; a booking given back no longer counts, the next heartbeat (which counts admitted items itself)
+    replaces them, and without heartbeats the backlog drains at one second a second."""
     from services.common.registry import Member
 
     published = {"at": 1.0, "state": {"queued_items": 0, "item_ms": 100.0, "budget_ms": 1000, "over_budget_ms": 0}}
@@ -154,7 +154,10 @@ def test_the_router_counts_what_it_booked_since_the_encoders_heartbeat() -> None
     assert dict(info.value.metadata)["retry-after-ms"] == "100"  # how far past the budget
     dispatcher.release(first)  # that request went no further
     dispatcher.check_room(items(3))  # (5 + 3) x 100 ms
-    now[0] += 0.15  # the encoder drained 150 ms of its queue since this router read its heartbeat
+    now[0] += 0.9  # heartbeats come every 0.2 s and will say what drained: nothing is taken off meanwhile
+    with pytest.raises(RequestError):
+        dispatcher.check_room(items(3))  # (8 + 3) x 100 ms
+    now[0] += 0.25  # but one over a second old has stopped: its queue drains from then on (150 ms here)
     with pytest.raises(RequestError):
         dispatcher.check_room(items(4))  # (8 + 4) x 100 - 150 ms
     dispatcher.check_room(items(3))  # (8 + 3) x 100 - 150 ms
@@ -165,3 +168,34 @@ def test_the_router_counts_what_it_booked_since_the_encoders_heartbeat() -> None
         dispatcher.check_room(items(6))  # (3 + 2 + 6) x 100 ms
     now[0] += 60.0  # no heartbeat for a minute (Redis down, say): what was booked has drained meanwhile
     dispatcher.check_room(items(6))
+
+
+def test_a_request_with_unknown_images_is_refused_before_it_is_prepared() -> None:
+    """With no encoder's room for one item, `precheck` refuses a request carrying an image this router never found
+    cached, from its bytes as sent (nothing decoded or hashed for the model); one whose image it found cached goes
+    on to the real lookup, text goes on, and the same image sent by another tenant is another tenant's item."""
+    from services.client import user_request
+    from services.common.registry import Member
+
+    state = {"queued_items": 250, "item_ms": 100.0, "budget_ms": 20_000, "over_budget_ms": 5_000, "at": 1.0}
+
+    class Published:
+        def members(self, role: str, revision: str | None = None) -> list[Member]:
+            return [Member("encoder", "e1", "r", dict(state), state["at"])] if role == "encoder" else []
+
+    view = ClusterView(Published(), "r")  # type: ignore[arg-type]
+    asyncio.run(view.refresh())
+    dispatcher = EncodeDispatcher(view, None, lambda _: None, [])  # type: ignore[arg-type, return-value]
+    seen, fresh = user_request("a", [b"\x89PNG seen"]), user_request("b", [b"\x89PNG fresh"])
+    assert media_sources(seen, "t1") != media_sources(fresh, "t1")
+    assert media_sources(seen, "t1") == media_sources(user_request("other text", [b"\x89PNG seen"]), "t1")
+    dispatcher.remember(media_sources(seen, "t1"))
+    dispatcher.precheck(media_sources(seen, "t1"))  # found cached before: on to the real lookup
+    dispatcher.precheck(media_sources(user_request("text only"), "t1"))
+    for request, tenant in ((fresh, "t1"), (seen, "t2")):
+        with pytest.raises(RequestError) as info:
+            dispatcher.precheck(media_sources(request, tenant))
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and info.value.reason == "encoders_busy"
+    state.update(queued_items=10, at=2.0)  # its next heartbeat: room again
+    asyncio.run(view.refresh())
+    dispatcher.precheck(media_sources(fresh, "t1"))
