@@ -82,6 +82,7 @@ class RankGroup:
         self.timeout_s = config.tensor_parallel_timeout_s
         self.start_timeout_s = config.tensor_parallel_start_timeout_s
         self.on_lost: Callable[[str], None] = exit_soon
+        self.lost_cause: str | None = None  # set once a rank is lost: nothing more runs here
         self._stopping = threading.Event()
         self._lost_once = threading.Lock()
         context = multiprocessing.get_context("spawn")
@@ -157,6 +158,7 @@ class RankGroup:
         if self._stopping.is_set() or not self._lost_once.acquire(blocking=False):
             return
         log.critical("tensor parallelism lost: %s; ending all %d ranks", cause, self.size)
+        self.lost_cause = cause
         self._stopping.set()
         self._kill()
         self.on_lost(cause)

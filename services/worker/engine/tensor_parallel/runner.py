@@ -113,8 +113,19 @@ class LeadRunner(ShardRunner):
         self.ranks = ranks
         super().__init__(adapter, model, config, ranks.group)
 
+    def prepare(self, seq: Any) -> None:
+        """As `ModelRunner.prepare`; once the ranks are lost, the engine-gone refusal instead (the worker answers
+        UNAVAILABLE at admission, so no router places anything here in the second before it exits)."""
+        if self.ranks.lost_cause is not None:
+            from services.worker.engine_host.process_host import EngineGone
+
+            raise EngineGone(f"tensor-parallel ranks lost ({self.ranks.lost_cause})")
+        super().prepare(seq)
+
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], embeddings: EmbeddingPool) -> RunOutput:
+        if self.ranks.lost_cause is not None:
+            raise RuntimeError(f"tensor-parallel ranks lost ({self.ranks.lost_cause})")
         self.last_chunks = chunks
         bucket = self.graphs.bucket_for(chunks) if self.graphs is not None else None
         padding = self.graphs.padding(bucket, len(chunks)) if bucket is not None else None
