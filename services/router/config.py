@@ -75,6 +75,12 @@ class RouterConfig(ServiceConfig):
     share_embeddings_across_tenants: bool = dataclasses.field(
         default=False, metadata={"help": "one embedding cache entry per image for every tenant"}
     )
+    pd_min_prefill_tokens: int = dataclasses.field(
+        default=0, metadata={"help": "uncached prompt tokens from which a prefill worker prefills (0: never)"}
+    )
+    pd_max_prefill_waiting: int = dataclasses.field(
+        default=8, metadata={"help": "requests a prefill worker may have waiting and still be given another"}
+    )
 
     def public_tls(self) -> TlsFiles | None:
         """The public listeners' TLS (gRPC and HTTP): their own pair or the cluster's; client certificates
@@ -114,6 +120,9 @@ class RouterConfig(ServiceConfig):
             raise ConfigError(f"{env_name('structured_cache_entries')} must not be negative")
         if self.migration_limit < 0:
             raise ConfigError(f"{env_name('migration_limit')} must not be negative, got {self.migration_limit}")
+        for name in ("pd_min_prefill_tokens", "pd_max_prefill_waiting"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{env_name(name)} must not be negative, got {getattr(self, name)}")
         if self.prefix_affinity_weight < 0:
             raise ConfigError(
                 f"{env_name('prefix_affinity_weight')} must not be negative, got {self.prefix_affinity_weight}"
