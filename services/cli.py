@@ -155,7 +155,7 @@ def _add_tools(sub: argparse._SubParsersAction) -> None:
     tiny.add_argument("--max-pixels", type=int, default=None, help="image processor's max_pixels (default: its own)")
     tiny.set_defaults(fn=_make_tiny)
     bench = sub.add_parser("bench", help="benchmarks (print ratios against a same-run baseline)")
-    benches = ["engine", "encoder", "admission", "burst", "traffic", "soak", "serve", "vllm", "hostile"]
+    benches = ["engine", "encoder", "admission", "burst", "traffic", "soak", "serve", "vllm", "hostile", "grammar_step"]
     bench.add_argument("what", choices=benches, help="what to measure")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="flags passed on to the benchmark")
     bench.set_defaults(fn=_bench)
