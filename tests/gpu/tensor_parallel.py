@@ -32,6 +32,11 @@ def tensor_parallel(plan: Any, out: dict[str, Any]) -> None:
     if on_gpu and count < 2:
         out["skipped"] = f"tensor parallelism needs 2 or more GPUs; this machine has {count}"
         return
+    try:
+        import PIL  # noqa: F401
+    except ImportError:  # a rank loads the folder as a worker does, image processor included
+        out["skipped"] = "tensor-parallel ranks load the model folder; its image processor needs Pillow, not installed"
+        return
     shape = GPU_SHAPE if on_gpu else DRY_SHAPE
     out["devices"] = count if on_gpu else "cpu (gloo)"
     with tempfile.TemporaryDirectory() as scratch:

@@ -75,9 +75,12 @@ def test_run_sh_dry_run_prints_the_json_line() -> None:
 
 @pytest.mark.parametrize("name", SECTIONS)
 def test_each_section_needs_only_torch_and_transformers(name: str) -> None:
+    # tensor-parallel ranks load the model folder as a worker does, and its image processor needs Pillow (on a
+    # machine without it the section says so and is skipped): here it runs with Pillow, the rest still blocked
+    blocked = tuple(b for b in BLOCKED if not (name == "tensor_parallel" and b == "PIL"))
     code = (
         "import runpy, sys\n"
-        f"for blocked in {BLOCKED!r}:\n"
+        f"for blocked in {blocked!r}:\n"
         "    sys.modules[blocked] = None  # import fails, as on a GPU machine without them\n"
         f"sys.argv = ['gpu_check', '--section', {name!r}, '--dry-run']\n"
         "runpy.run_module('tests.gpu.gpu_check', run_name='__main__')\n"
