@@ -154,7 +154,8 @@ class ClusterView:
                 self._backlogs[m.address] = known[m.address] if same else _Backlog(m.published_at, queued, now, item_ms)
         # An admission or release stays pending until the worker publishes a state read after it
         # (both times are the worker's own clock, taken from its replies).
-        seen = {m.address: float(m.state.get("snapshot_at", m.published_at)) for m in self._workers}
+        members = [*self._workers, *self._prefill]  # a remote prefill holds its prefill worker's blocks likewise
+        seen = {m.address: float(m.state.get("snapshot_at", m.published_at)) for m in members}
         self._pending = [p for p in self._pending if p.at > seen.get(p.worker, math.inf)]
         self.changed.set()
         self.changed = asyncio.Event()
@@ -181,6 +182,10 @@ class ClusterView:
 
     def workers(self) -> list[WorkerView]:
         return [self._view(member) for member in self._workers]
+
+    def worker(self, address: str) -> WorkerView | None:
+        """The live worker (registry role ``worker``) at ``address``, None when it is not listed."""
+        return next((self._view(m) for m in self._workers if m.address == address), None)
 
     def prefill_workers_for(self, decode: WorkerView) -> list[WorkerView]:
         """The live prefill workers whose KV blocks ``decode`` can take as they are (equal KV layout identities)."""

@@ -23,6 +23,7 @@ class RouterMetrics:
     cache_hits: Counter
     migrations: Counter
     count_tokens: Counter
+    remote_prefills: Counter
 
     @classmethod
     def create(cls, meter: Meter) -> RouterMetrics:
@@ -55,6 +56,10 @@ class RouterMetrics:
             cache_hits=meter.create_counter("epd_embedding_cache_hits", description="items already cached, by tier"),
             migrations=meter.create_counter(
                 "epd_migrations", description="requests moved to another worker after theirs failed, by reason"
+            ),
+            remote_prefills=meter.create_counter(
+                "epd_remote_prefills",
+                description="requests prefilled on a prefill worker, by outcome (sent, failed, cancelled)",
             ),
             count_tokens=meter.create_counter(
                 "epd_count_tokens_requests", description="CountTokens calls (gRPC and HTTP) by outcome"

@@ -7,6 +7,9 @@ holds, as placement reckons them) reach `EPD_PD_MIN_PREFILL_TOKENS`, and a paire
 requests waiting and the free blocks for the prompt; otherwise the decode worker prefills it as before. A
 short prompt never pays the transfer's time to first token. The decode worker is chosen first, as for any
 request (its reservation is the request's admission); the prefill worker admits by its own blocks.
+`PrefillPlacement` is the router's placement of that pair: asked for each decode worker admission tries, it
+reckons the cached blocks from the router's prefix affinity (the blocks it last sent to that worker) and the
+paired prefill workers from the cluster view, and answers the prefill worker or None.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.kv_blocks import blocks_for
-from services.router.cluster_view import WorkerView
+from services.router.cluster_view import ClusterView, WorkerView
+from services.router.placement import PrefixAffinity
+from services.router.request_blocks import RequestBlocks
 
 
 @dataclass(frozen=True)
@@ -59,3 +64,20 @@ def choose_prefill(
     if not room:
         return None
     return min(room, key=lambda view: (view.waiting + view.running, -view.unreserved_blocks, view.address))
+
+
+class PrefillPlacement:
+    """The prefill half of a request's (prefill, decode) pair, for the decode worker admission is trying."""
+
+    def __init__(self, policy: PrefillPolicy, view: ClusterView, affinity: PrefixAffinity) -> None:
+        self.policy = policy
+        self._view = view
+        self._affinity = affinity
+
+    def prefill_for(self, request: RequestBlocks, decode: WorkerView, *, transferable: bool) -> WorkerView | None:
+        """The prefill worker to prefill ``request`` for ``decode``, or None: ``decode`` prefills it itself."""
+        if not self.policy.min_prefill_tokens or decode.worker_role != "decode":
+            return None  # nothing to reckon (and no prompt hashed for it)
+        cached = self._affinity.matched_blocks(request.hashes(decode.block_size), decode.address)
+        candidates = self._view.prefill_workers_for(decode)
+        return choose_prefill(self.policy, decode, request.prompt_tokens, cached, candidates, transferable=transferable)

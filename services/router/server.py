@@ -21,23 +21,25 @@ import grpc
 from opentelemetry import trace
 
 from services.common.drain import Drain
+from services.common.grammar import constraint_of
 from services.common.logs import current_request_id
-from services.common.media_refs import media_span
 from services.common.model_info import ModelInfo
 from services.common.rpc.epd.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
 from services.common.tls import Dialer
 from services.common.tracing import tracer
 from services.router.accounting import Accounted
-from services.router.admission import Admission, Rejection
+from services.router.admission import Admission, Rejection, Reserved
 from services.router.auth import DEFAULT_TENANT
-from services.router.cluster_view import ClusterView
+from services.router.cluster_view import ClusterView, WorkerView
 from services.router.config import RouterConfig
 from services.router.encode_dispatch import EncodeDispatcher, media_sources
 from services.router.errors import RequestError
 from services.router.metrics import RouterMetrics
 from services.router.migration import Migrations, Progress, WorkerLost, continuation, lost_reason, watch_vanished
 from services.router.output import Choices, TokenTexts
+from services.router.pd_choice import PrefillPlacement
 from services.router.relay import Relays
+from services.router.remote_prefill import PrefillFailed, RemotePrefill, receiving
 from services.router.request_blocks import RequestBlocks
 from services.router.request_prep import RequestPrep
 from services.router.request_record import RequestRecord, admission_attributes, note_step, note_worker
@@ -47,6 +49,19 @@ from services.router.worker_stream import RelayLostError, WorkerStream, open_wor
 
 log = logging.getLogger(__name__)
 DRAINING = "router is draining (shutting down): send the request to another router replica"
+
+
+PREFILL_LOST = "prefill"  # a migration's reason when the remote prefill failed: the request is prefilled locally next
+
+
+@dataclass
+class Placed:
+    """An admitted attempt: its decode worker's stream and, for a remote prefill, the prefill worker's view and the
+    request as the decode worker got it (to receive its KV)."""
+
+    stream: WorkerStream
+    prefill: WorkerView | None = None
+    request: worker_pb2.WorkerRequest | None = None
 
 
 @dataclass
@@ -68,6 +83,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         dialer: Dialer,
         view: ClusterView,
         tenancy: Tenancy,
+        pairing: PrefillPlacement | None = None,
     ) -> None:
         self._info = info
         self._config = config
@@ -78,6 +94,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._dialer = dialer
         self._view = view
         self._tenancy = tenancy
+        self._pairing = pairing  # the (prefill, decode) pair of a request (router/pd_choice.py); None: always local
+        self._remote_prefill = RemotePrefill(view, self.channel)
+        self._prefills_left: set[asyncio.Task] = set()  # remote prefills awaiting their ack after their stream ended
         self._token_texts = TokenTexts(info.adapter.tokenizer)
         self.relays = Relays(self.channel)  # one token stream per worker for all of this router's requests
         self.drain = Drain()  # gRPC calls being served; refused with UNAVAILABLE once the router drains
@@ -180,8 +199,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._metrics.e2e_seconds.record(time.perf_counter() - start)
             record.finish(outcome, failure, refusal)
 
-    async def _open_worker(self, worker: str, request: worker_pb2.WorkerRequest, deadline: float):
-        return await open_worker(self.channel(worker), worker, request, deadline, self.relays.ready(worker))
+    async def _open_worker(
+        self,
+        worker: str,
+        request: worker_pb2.WorkerRequest,
+        blocks: RequestBlocks,
+        deadline: float,
+        local: bool,
+    ) -> Reserved[Placed] | None:
+        """Admission's try of `worker`: when the pairing picks a prefill worker for it (`local` False), `worker` is
+        the decode side and admits the request to receive its KV; otherwise it prefills the request itself."""
+        prefill = None
+        decode = None if local or self._pairing is None else self._view.worker(worker)
+        if decode is not None:
+            transferable = request.sampling.n <= 1 and constraint_of(request.sampling) is None
+            prefill = self._pairing.prefill_for(blocks, decode, transferable=transferable)
+        if prefill is not None:
+            request = receiving(request)
+        reserved = await open_worker(self.channel(worker), worker, request, deadline, self.relays.ready(worker))
+        if reserved is None:
+            return None
+        return Reserved(Placed(reserved.handle, prefill, request if prefill is not None else None), reserved.at)
 
     async def _generate(
         self, request: generation_pb2.GenerateRequest, timeout_s: float | None, start: float, tenant: str
@@ -205,7 +243,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         base = worker_pb2.WorkerRequest(
             request_id=request_id,
             token_ids=accounted.token_ids,
-            media=accounted.refs,
+            media=accounted.worker_media(),
             sampling=sampling,
             cache_salt=prefix_salt(tenant, request.cache_salt),
             embedding_timeout_s=min(timeout, self._config.encode_timeout_s),
@@ -218,14 +256,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         migrations = Migrations(
             self._config.migration_limit, lambda reason: self._metrics.migrations.add(1, {"reason": reason})
         )
+        local = False  # after a remote prefill failed, the request prefills on its decode worker
         while not choices.done:
             attempt = continuation(base, state.progress, migrations.done)
             try:
-                async with contextlib.aclosing(self._attempt(attempt, accounted, deadline, state, sources)) as chunks:
+                run = self._attempt(attempt, accounted, deadline, state, sources, local)
+                async with contextlib.aclosing(run) as chunks:
                     async for chunk in chunks:
                         yield generation_pb2.GenerateResponse(chunk=chunk)
                 break
             except WorkerLost as lost:
+                local = local or lost.reason == PREFILL_LOST
                 trace.get_current_span().add_event("migration", {"epd.reason": lost.reason, "epd.worker": lost.worker})
                 migrations.next(lost, state.progress)  # raises UNAVAILABLE past the limit
                 log.warning("request %s: %s; migrating (%d so far)", request_id, lost, migrations.done)
@@ -238,14 +279,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         deadline: float,
         state: StreamState,
         sources: list[str],
+        local: bool = False,
     ):
         """One worker serving the request: admission, the encode task, the stream; the chunks for the client
-        (`sources`: its media's `media_sources` keys, remembered once their embeddings are cached).
-        Raises WorkerLost when the worker fails in a way another worker may cure."""
+        (`sources`: its media's `media_sources` keys, remembered once their embeddings are cached). With a remote
+        prefill (placement paired the worker with a prefill worker; never when `local`) the embeddings go to the
+        prefill worker and a task runs its prefill, whose failure cancels the stream (WorkerLost, reason
+        PREFILL_LOST). Raises WorkerLost when the worker fails in a way another worker may cure."""
         blocks = RequestBlocks.for_prompt(
             list(worker_request.token_ids),
             accounted.projected_tokens,
-            [media_span(r) for r in accounted.refs],
+            accounted.media_spans(),
             worker_request.cache_salt,
             accounted.n,
         )
@@ -259,7 +303,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             with tracer().start_as_current_span("admission") as placing:  # the worker call opened here is its child
                 admitted = await self._admission.admit(
-                    blocks, lambda worker: self._open_worker(worker, worker_request, deadline), deadline
+                    blocks, lambda worker: self._open_worker(worker, worker_request, blocks, deadline, local), deadline
                 )
                 placing.set_attributes(admission_attributes(admitted))
         except BaseException:
@@ -269,9 +313,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         note_step("placed")
         self._metrics.queue_seconds.record(admitted.queue_s)
         state.queue_s += admitted.queue_s
-        call = admitted.handle
+        placed: Placed = admitted.handle
+        call = placed.stream
+        prefill = None
+        destination = admitted.worker
+        if placed.prefill is not None:  # remote prefill: the embeddings go to the prefill worker
+            destination = placed.prefill.address
+            run = self._remote_prefill.run(
+                destination, placed.prefill.block_size, placed.request, admitted.worker, call.kv_skip_blocks, deadline
+            )
+            prefill = asyncio.create_task(run, name=destination)  # named after its prefill worker
+            prefill.add_done_callback(lambda task: self._prefill_done(task, call))
         encode = asyncio.create_task(
-            self._dispatcher.encode_items(worker_request.request_id, items, admitted.worker, deadline, booking)
+            self._dispatcher.encode_items(worker_request.request_id, items, destination, deadline, booking)
         )
         encode.add_done_callback(lambda task: task.cancelled() or task.exception() is None or call.cancel())
         encode.add_done_callback(lambda task: self._record_encode(task, state, sources))
@@ -280,15 +334,32 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             watch_vanished(self._view.absent_for, admitted.worker, lambda: (vanished.set(), call.cancel()))
         )
         end = StreamEnd()
+        served = False
         try:
-            async with contextlib.aclosing(self._stream(call, admitted.worker, encode, vanished, state, end)) as chunks:
+            stream = self._stream(call, admitted.worker, encode, vanished, state, end, prefill, deadline)
+            async with contextlib.aclosing(stream) as chunks:
                 async for chunk in chunks:
                     yield chunk
+            served = True
         finally:
             watch.cancel()
             call.cancel()
             encode.cancel()
+            if prefill is not None and not prefill.done():
+                if served:  # the tokens came, so the KV did: let the prefill worker's call end on its ack
+                    self._prefills_left.add(prefill)
+                    prefill.add_done_callback(self._prefills_left.discard)
+                else:
+                    prefill.cancel()
             self._admission.released(admitted.worker, admitted.blocks, end.released_at)
+
+    def _prefill_done(self, task: asyncio.Task, call: WorkerStream) -> None:
+        """A remote prefill ended: counted by outcome; a failure cancels the decode side's stream (`_stream` then
+        raises WorkerLost for the prefill worker)."""
+        outcome = "cancelled" if task.cancelled() else "failed" if task.exception() is not None else "sent"
+        self._metrics.remote_prefills.add(1, {"outcome": outcome})
+        if outcome == "failed":
+            call.cancel()
 
     def _record_encode(self, task: asyncio.Task, state: StreamState, sources: list[str]) -> None:
         """Encode time of the items sent to encoders (the task may end after the last token); the request's
@@ -308,8 +379,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         vanished: asyncio.Event,
         state: StreamState,
         end: StreamEnd,
+        prefill: asyncio.Task | None = None,
+        deadline: float = float("inf"),
     ):
-        """The worker's responses as client chunks until every choice is done or the stream ends."""
+        """The worker's responses as client chunks until every choice is done or the stream ends. `prefill`: the
+        remote prefill's task, whose failure, or the decode worker's deadline for its KV, is WorkerLost of the
+        prefill worker (the next attempt prefills locally)."""
         try:
             while (response := await call.read()) is not None:
                 end.released_at = response.state_at or end.released_at  # set on the worker's last message only
@@ -321,11 +396,26 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except RelayLostError as exc:
             raise WorkerLost(worker, "relay", str(exc)) from None
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+            if prefill is not None and prefill.done() and not prefill.cancelled() and prefill.exception() is not None:
+                failed = prefill.exception()
+                worker_name = failed.worker if isinstance(failed, PrefillFailed) else worker
+                raise WorkerLost(worker_name, PREFILL_LOST, str(failed)) from None
+            if (
+                prefill is not None
+                and not prefill.done()
+                and isinstance(exc, grpc.aio.AioRpcError)
+                and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                and time.monotonic() < deadline
+            ):  # the decode worker's deadline for the KV passed (EPD_KV_TRANSFER_TIMEOUT_S), not the request's
+                prefill.cancel()
+                raise WorkerLost(prefill.get_name(), PREFILL_LOST, f"its KV did not arrive: {exc.details()}") from None
             if vanished.is_set():
                 raise WorkerLost(worker, "vanished", "missing from the registry") from None
             if encode.done() and not encode.cancelled() and encode.exception() is not None:
                 error = encode.exception()
                 if isinstance(error, RequestError) and error.code == grpc.StatusCode.UNAVAILABLE:
+                    if prefill is not None:  # the embeddings went to the prefill worker: it is the one gone
+                        raise WorkerLost(prefill.get_name(), PREFILL_LOST, f"encode: {error.message}") from None
                     raise WorkerLost(worker, "encode", error.message) from None  # e.g. the push found it gone
                 raise error from None
             if isinstance(exc, asyncio.CancelledError):

@@ -20,6 +20,7 @@ from services.router.config import RouterConfig
 from services.router.encode_dispatch import EncodeDispatcher
 from services.router.http_server import serve_router_http
 from services.router.metrics import RouterMetrics
+from services.router.pd_choice import PrefillPlacement, PrefillPolicy
 from services.router.placement import PrefixAffinity
 from services.router.request_prep import RequestPrep
 from services.router.server import GenerationServicer
@@ -49,9 +50,10 @@ async def start_router(config: RouterConfig) -> Callable[[], Awaitable[None]]:
     view = ClusterView(Registry(config.redis_url), info.identity.revision)
     await view.start()
     dialer = Dialer(tls.internal_client(config))
+    affinity = PrefixAffinity()
     admission = Admission(
         view,
-        PrefixAffinity(),
+        affinity,
         AdmissionSettings(
             config.admission_queue_size,
             config.admission_max_wait_s,
@@ -77,6 +79,7 @@ async def start_router(config: RouterConfig) -> Callable[[], Awaitable[None]]:
         dialer,
         view,
         Tenancy.from_config(config),
+        PrefillPlacement(PrefillPolicy(config.pd_min_prefill_tokens, config.pd_max_prefill_waiting), view, affinity),
     )
     binding = grpc_server.ServiceBinding(
         generation_pb2_grpc.add_GenerationServicer_to_server, servicer, "epd.v1.Generation"

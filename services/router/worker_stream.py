@@ -56,6 +56,7 @@ class WorkerStream:
         self._request_id = request_id
         self._queue = queue
         self._held: deque = deque()
+        self.kv_skip_blocks = 0  # a remote prefill's decode side: the leading prompt blocks its worker already held
         self._reader = asyncio.create_task(self._read_call())
 
     async def _read_call(self) -> None:
@@ -143,4 +144,6 @@ async def open_worker(
         if relay is not None:
             relay.unbind(request.request_id)
         return None
-    return Reserved(WorkerStream(call, relay, queue, request.request_id), first.state_at)
+    stream = WorkerStream(call, relay, queue, request.request_id)
+    stream.kv_skip_blocks = first.kv_skip_blocks
+    return Reserved(stream, first.state_at)
