@@ -1,6 +1,7 @@
 """`epd up`: the whole cluster as subprocesses on 127.0.0.1.
 
-Starts Redis when none answers (and `redis-server` exists), then encoders, workers and the
+Starts Redis when none answers (and `redis-server` exists), then encoders, workers, prefill workers (a prefill
+pool: `ClusterSpec.prefill_workers`; the workers then decode, EPD_WORKER_ROLE) and the
 router, each as `epd serve <role>` with EPD_* settings on the ports `plan_ports` decides; waits
 until every gRPC health check says SERVING, reporting each service as it does. Invariant:
 `LocalCluster.stop()` terminates every process it started (SIGTERM, then SIGKILL after a grace
@@ -67,7 +68,9 @@ class ClusterSpec:
     http_port: int = HTTP_PORT  # 0: the router serves no HTTP; EPD_HTTP_PORT in `env` wins
     encoder_port: int = ENCODER_PORT  # encoders listen on this port and the next ones
     worker_port: int = WORKER_PORT  # workers likewise
-    metrics_port: int = METRICS_PORT  # encoders, workers, then the router, one port each; 0: no metrics
+    metrics_port: int = METRICS_PORT  # encoders, workers, prefill workers, then the router, one port each; 0: none
+    prefill_workers: int = 0  # a prefill pool (EPD_WORKER_ROLE=prefill); the workers then take the decode role
+    pd_min_prefill_tokens: int = 256  # with a prefill pool: the router's EPD_PD_MIN_PREFILL_TOKENS (`env` wins)
 
 
 @dataclass(frozen=True)
@@ -78,13 +81,14 @@ class PortPlan:
     http: int
     encoders: tuple[int, ...]
     workers: tuple[int, ...]
-    metrics: tuple[int, ...]  # one per service: encoders, then workers, then the router
+    metrics: tuple[int, ...]  # one per service: encoders, then workers, then prefill workers, then the router
+    prefill: tuple[int, ...] = ()  # prefill workers' gRPC ports (after the workers')
 
     def listening(self) -> list[tuple[str, int]]:
         """`(what, port)` for each port a service will bind, `what` one of router, http, encoder, worker,
         metrics."""
         rows = [("router", self.router), ("http", self.http)]
-        rows += [("encoder", p) for p in self.encoders] + [("worker", p) for p in self.workers]
+        rows += [("encoder", p) for p in self.encoders] + [("worker", p) for p in (*self.workers, *self.prefill)]
         rows += [("metrics", p) for p in self.metrics]
         return [(what, port) for what, port in rows if port > 0]
 
@@ -95,7 +99,7 @@ def plan_ports(spec: ClusterSpec) -> PortPlan:
     def port(base: int) -> int:
         return free_port() if spec.free_ports and base else base
 
-    services = spec.encoders + spec.workers + 1
+    services = spec.encoders + spec.workers + spec.prefill_workers + 1
     metrics_base = spec.metrics_port
     http = int(spec.env["EPD_HTTP_PORT"]) if "EPD_HTTP_PORT" in spec.env else port(spec.http_port)
     return PortPlan(
@@ -104,6 +108,7 @@ def plan_ports(spec: ClusterSpec) -> PortPlan:
         encoders=tuple(port(spec.encoder_port + i) for i in range(spec.encoders)),
         workers=tuple(port(spec.worker_port + i) for i in range(spec.workers)),
         metrics=tuple(port(metrics_base + i) if metrics_base else 0 for i in range(services)),
+        prefill=tuple(port(spec.worker_port + spec.workers + i) for i in range(spec.prefill_workers)),
     )
 
 
@@ -131,6 +136,7 @@ class LocalCluster:
     redis_url: str
     redis_process: subprocess.Popen | None = None
     http_port: int = 0  # the router's OpenAI-compatible HTTP port (0: off)
+    prefill_workers: list[Process] = field(default_factory=list)  # EPD_WORKER_ROLE=prefill (`workers`: decode)
 
     @property
     def http_url(self) -> str:
@@ -139,7 +145,7 @@ class LocalCluster:
 
     @property
     def processes(self) -> list[Process]:
-        return [self.router, *self.encoders, *self.workers]
+        return [self.router, *self.encoders, *self.workers, *self.prefill_workers]
 
     @property
     def address(self) -> str:
@@ -270,7 +276,7 @@ def _spawn_cluster(
     log_dir = spec.log_dir or Path(tempfile.mkdtemp(prefix="epd-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     # services share this box's cores: split them instead of letting every process use all of them
-    threads = max(1, (os.cpu_count() or 1) // (spec.encoders + spec.workers))
+    threads = max(1, (os.cpu_count() or 1) // (spec.encoders + spec.workers + spec.prefill_workers))
     base = {
         "EPD_MODEL": str(spec.model_dir),
         "EPD_REDIS_URL": spec.redis_url,
@@ -284,12 +290,20 @@ def _spawn_cluster(
         return spawned[-1]
 
     encoders = [start("encoder", p, base) for p in ports.encoders]
-    workers = [start("worker", p, base) for p in ports.workers]
+    router_env = {**base}
+    worker_env = base
+    if spec.prefill_workers:  # P/D: the workers decode, the prefill pool prefills what the router sends it
+        worker_env = {"EPD_WORKER_ROLE": "decode", **base}
+        router_env = {"EPD_PD_MIN_PREFILL_TOKENS": str(spec.pd_min_prefill_tokens), **base}
+    workers = [start("worker", p, worker_env) for p in ports.workers]
+    prefill = [start("worker", p, {**base, "EPD_WORKER_ROLE": "prefill"}) for p in ports.prefill]
     encoder_addrs = ",".join(p.address for p in encoders)
     router = start(
-        "router", ports.router, {**base, "EPD_ENCODER_ADDRS": encoder_addrs, "EPD_HTTP_PORT": str(ports.http)}
+        "router", ports.router, {**router_env, "EPD_ENCODER_ADDRS": encoder_addrs, "EPD_HTTP_PORT": str(ports.http)}
     )
-    return LocalCluster(router, encoders, workers, spec.redis_url, redis_process, http_port=ports.http)
+    return LocalCluster(
+        router, encoders, workers, spec.redis_url, redis_process, http_port=ports.http, prefill_workers=prefill
+    )
 
 
 def _wait_ready(processes: list[Process], timeout_s: float, on_ready: Callable[[Process], None]) -> None:
