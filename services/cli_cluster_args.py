@@ -1,4 +1,5 @@
-"""The flags `epd up` and `epd demo` share: model, process counts, device, start-up timeout, ports, Ray."""
+"""The flags `epd up` and `epd demo` share: model, process counts (a prefill pool too), device, start-up timeout,
+ports, Ray."""
 
 from __future__ import annotations
 
@@ -20,6 +21,20 @@ def add_cluster_arguments(cmd: argparse.ArgumentParser, *, ray: bool) -> None:
     )
     cmd.add_argument(
         "--workers", type=_int_in(1, 64, "a whole number from 1 to 64"), default=1, help="worker processes (default 1)"
+    )
+    cmd.add_argument(
+        "--prefill-workers",
+        type=_int_in(0, 64, "a whole number from 0 to 64"),
+        default=0,
+        help="prefill worker processes (default 0); with any, the workers decode and long prompts prefill there",
+    )
+    cmd.add_argument(
+        "--pd-min-prefill-tokens",
+        type=_int_in(1, 1 << 20, "a whole number from 1"),
+        default=local.ClusterSpec.pd_min_prefill_tokens,
+        metavar="TOKENS",
+        help="with prefill workers: uncached prompt tokens from which a request prefills on one "
+        f"(default {local.ClusterSpec.pd_min_prefill_tokens})",
     )
     cmd.add_argument(
         "--tensor-parallel-size",

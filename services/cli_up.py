@@ -20,7 +20,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from services.cli_errors import UserError, failure, one_line
+from services.cli_errors import UserError, failure, one_line, usage_error
 from services.launch import local
 from services.launch.preflight import (
     check_device,
@@ -53,6 +53,8 @@ PORT_NAMES = {
 def up(args: argparse.Namespace) -> int:
     """`epd up`: start, report, wait for Ctrl-C (or SIGTERM), stop."""
     if args.ray:
+        if args.prefill_workers:
+            raise usage_error("--prefill-workers is not built for --ray", "drop --ray to run a prefill pool locally")
         return _up_ray(args)
     with _sigterm_as_interrupt(), running_cluster(args) as cluster:
         print(f'router (gRPC Generate) at {cluster.address}. Try: epd generate --image FILE "describe"')
@@ -80,8 +82,14 @@ def running_cluster(args: argparse.Namespace) -> Iterator[local.LocalCluster]:
     spec = checked_spec(args)
     with _log_folder() as log_dir:
         spec = dataclasses.replace(spec, log_dir=log_dir)
+        pool = (
+            f", {spec.prefill_workers} prefill worker(s) for prompts of {spec.pd_min_prefill_tokens}+ uncached tokens"
+            if spec.prefill_workers
+            else ""
+        )
+        workers = f"{spec.workers} {'decode ' if spec.prefill_workers else ''}worker(s){pool}"
         print(
-            f"starting router, {spec.encoders} encoder(s), {spec.workers} worker(s) for {spec.model_dir}; "
+            f"starting router, {spec.encoders} encoder(s), {workers} for {spec.model_dir}; "
             f"logs in {log_dir} (removed when epd exits)",
             flush=True,
         )
@@ -100,6 +108,17 @@ def checked_spec(args: argparse.Namespace) -> local.ClusterSpec:
     check_device(device)
     if args.model:
         check_model(Path(args.model))
+    spec = spec_from_args(args, device)
+    check_ports(port_rows(local.plan_ports(spec)))
+    check_redis(spec.redis_url)
+    if not args.model:
+        tiny_model(DEFAULT_TINY)
+    check_tensor_parallel(spec.model_dir, getattr(args, "tensor_parallel_size", 1), device)
+    return spec
+
+
+def spec_from_args(args: argparse.Namespace, device: str) -> local.ClusterSpec:
+    """The cluster the flags describe on `device` (no check run); a UserError for flags that do not go together."""
     spec = local.ClusterSpec(
         Path(args.model) if args.model else DEFAULT_TINY,
         args.encoders,
@@ -111,12 +130,14 @@ def checked_spec(args: argparse.Namespace) -> local.ClusterSpec:
         encoder_port=args.encoder_port,
         worker_port=args.worker_port,
         metrics_port=args.metrics_port,
+        prefill_workers=getattr(args, "prefill_workers", 0),
+        pd_min_prefill_tokens=getattr(args, "pd_min_prefill_tokens", local.ClusterSpec.pd_min_prefill_tokens),
     )
-    check_ports(port_rows(local.plan_ports(spec)))
-    check_redis(spec.redis_url)
-    if not args.model:
-        tiny_model(DEFAULT_TINY)
-    check_tensor_parallel(spec.model_dir, getattr(args, "tensor_parallel_size", 1), device)
+    if spec.prefill_workers and getattr(args, "tensor_parallel_size", 1) > 1:
+        raise usage_error(
+            "--prefill-workers with --tensor-parallel-size above 1: a KV transfer would be per rank",
+            "drop one of the two",
+        )
     return spec
 
 
@@ -158,7 +179,8 @@ def ready_line(process: local.Process, http_port: int) -> str:
         http = f"OpenAI HTTP at http://127.0.0.1:{http_port}/v1" if http_port else "OpenAI HTTP off"
         where = f"gRPC Generate at {process.address}, {http}"
     metrics = f"metrics http://127.0.0.1:{process.metrics_port}/metrics" if process.metrics_port else "metrics off"
-    return f"  ready: {process.role:8s} {where}  {metrics}  log {process.log_path}"
+    role = process.env.get("EPD_WORKER_ROLE", process.role) if process.role == "worker" else process.role
+    return f"  ready: {role:8s} {where}  {metrics}  log {process.log_path}"
 
 
 class StartFailed(UserError):

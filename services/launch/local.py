@@ -70,7 +70,7 @@ class ClusterSpec:
     worker_port: int = WORKER_PORT  # workers likewise
     metrics_port: int = METRICS_PORT  # encoders, workers, prefill workers, then the router, one port each; 0: none
     prefill_workers: int = 0  # a prefill pool (EPD_WORKER_ROLE=prefill); the workers then take the decode role
-    pd_min_prefill_tokens: int = 256  # with a prefill pool: the router's EPD_PD_MIN_PREFILL_TOKENS (`env` wins)
+    pd_min_prefill_tokens: int = 128  # with a prefill pool: the router's EPD_PD_MIN_PREFILL_TOKENS (`env` wins)
 
 
 @dataclass(frozen=True)
