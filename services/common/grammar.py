@@ -79,6 +79,34 @@ def constraint_of(sampling: common_pb2.SamplingParams, any_whitespace: bool = Fa
     return Constraint(kind, text, spaced if kind == "json_schema" else False)
 
 
+def json_text_exceeds(value: Any, limit: int) -> bool:
+    """True when ``value`` (parsed JSON) written as JSON text is surely more than ``limit`` bytes. Counts a lower
+    bound of its compact UTF-8 text (a string its characters and quotes, a number one byte, brackets, colons
+    and commas) and stops as soon as the count passes ``limit``, so it costs O(min(size, limit)) whatever the
+    value's size: a 10 MB schema is refused without being written out."""
+    size = -1  # the top level's item has no comma before it
+    stack: list[Any] = [iter((value,))]
+    while stack:
+        item = next(stack[-1], stack)  # the stack itself: the end of a container
+        if item is stack:
+            stack.pop()
+            continue
+        size += 1  # the comma before every item but a container's first (one per container taken back below)
+        if isinstance(item, str):
+            size += len(item) + 2
+        elif isinstance(item, dict | list):
+            size += 2 - bool(item)  # its brackets, less its first item's comma
+            stack.append(iter(item.items() if isinstance(item, dict) else item))
+        elif isinstance(item, tuple):  # a dict's (key, value): the key, its quotes and colon
+            size += len(item[0]) + 3 - 1  # less the comma the value's count adds: none stands before it
+            stack.append(iter((item[1],)))
+        else:
+            size += 4 if item is None or isinstance(item, bool) else 1
+        if size > limit:
+            return True
+    return False
+
+
 def check_constraint(constraint: Constraint, limits: GrammarLimits) -> None:
     """ConstraintError for a constraint past ``limits`` or one the grammar would not enforce as written."""
     size = len(constraint.text.encode())

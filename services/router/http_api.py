@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -27,11 +26,13 @@ from typing import Any, Protocol, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from pydantic_core import from_json
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from services.common.rpc.epd.v1 import generation_pb2
 from services.common.rpc_context import bind_incoming
+from services.router.constraint_size import ConstraintTooLarge, oversized_in_body
 from services.router.errors import RequestError
 from services.router.http_errors import (
     HttpError,
@@ -41,6 +42,7 @@ from services.router.http_errors import (
     too_large_body,
 )
 from services.router.openai_request import (
+    MAX_CONSTRAINT_BYTES,
     ChatCompletionRequest,
     CompletionRequest,
     completion_request,
@@ -96,6 +98,7 @@ class HttpApi:
     max_model_len: int
     request_timeout_s: float
     max_body_bytes: int
+    max_constraint_bytes: int  # EPD_STRUCTURED_MAX_BYTES: a longer constraint is refused while the body is read
     version: str
 
 
@@ -154,12 +157,13 @@ async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large_body(limit)
-    body = bytearray()
-    async for piece in request.stream():
-        body += piece
-        if len(body) > limit:
+    pieces, size = [], 0
+    async for piece in request.stream():  # joined once at the end: a bytearray grown piece by piece copied
+        pieces.append(piece)  # a 10 MB body ~9 times over (20 ms here)
+        size += len(piece)
+        if size > limit:
             raise too_large_body(limit)
-    return bytes(body)
+    return b"".join(pieces)
 
 
 async def _collect(stream: AsyncIterator[generation_pb2.GenerateResponse], builder: CompletionBuilder) -> None:
@@ -200,14 +204,18 @@ async def _events(
 M = TypeVar("M", bound=BaseModel)
 
 
-def parse(model: type[M], raw: bytes) -> M:
-    """`raw` as a `model` body; HttpError (400) naming the field at fault."""
+def parse(model: type[M], raw: bytes, max_constraint_bytes: int | None = None) -> M:
+    """`raw` as a `model` body; HttpError (400) naming the field at fault. A structured-output constraint
+    surely over `max_constraint_bytes` is refused before the body is validated (`oversized_in_body`)."""
     try:
-        return model.model_validate_json(raw)
+        oversized_in_body(raw, max_constraint_bytes)
+        return model.model_validate_json(raw, context={MAX_CONSTRAINT_BYTES: max_constraint_bytes})
+    except ConstraintTooLarge as exc:
+        raise HttpError(400, str(exc), "invalid_argument", param=exc.field) from None
     except ValidationError as exc:
-        try:
-            sent = json.loads(raw)
-        except (ValueError, RecursionError):  # a body nested past Python's recursion limit: pydantic said so
+        try:  # pydantic's own parser: ~15x json's speed on a body of long strings (a 10 MB schema: 1.4 ms)
+            sent = from_json(raw)
+        except ValueError:  # a body nested past the parser's limit: pydantic said so
             sent = None
         raise from_validation(exc, sent) from exc
 
@@ -224,7 +232,7 @@ class Routes:
         return self.api.generation.authenticate(request.headers.getlist("authorization"))
 
     async def body(self, request: Request, model: type[M]) -> M:
-        body = parse(model, await read_body(request, self.api.max_body_bytes))
+        body = parse(model, await read_body(request, self.api.max_body_bytes), self.api.max_constraint_bytes)
         name = getattr(body, "model", None)
         if name is not None and name != self.api.model_id:
             raise HttpError(

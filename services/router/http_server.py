@@ -28,9 +28,13 @@ log = logging.getLogger(__name__)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
-    """A bound TCP socket for host:port (port 0 picks a free one); OSError naming the address if taken."""
+    """A bound TCP socket for host:port (port 0 picks a free one); OSError naming the address if taken.
+
+    Made with its protocol named (IPPROTO_TCP): asyncio sets TCP_NODELAY only on connections whose socket
+    says so, and without it a kept-alive connection's response written in two parts (headers, then the body
+    or an SSE event) waited ~40 ms for the client's delayed ACK (Nagle)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -96,6 +100,7 @@ async def serve_router_http(
         max_model_len=info.adapter.max_context,
         request_timeout_s=config.request_timeout_s,
         max_body_bytes=max_body_bytes(config.max_request_bytes),
+        max_constraint_bytes=config.structured_max_bytes,
         version=epd_version(),
     )
     _, stop = await start_http_server(api, config.host, config.http_port, config.drain_timeout_s, config.public_tls())

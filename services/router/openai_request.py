@@ -16,9 +16,10 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from services.common.rpc.epd.v1 import common_pb2, generation_pb2
+from services.router.constraint_size import ConstraintTooLarge, check_constraint_size
 from services.router.request_prep import MAX_LOGPROBS
 
 OPENAI_TEMPERATURE = 1.0
@@ -28,6 +29,10 @@ COMPLETION_MAX_TOKENS = 16
 U32 = (1 << 32) - 1
 U64 = (1 << 64) - 1
 F32_MAX = 3.4028234663852886e38  # the largest finite float32: a larger value would reach the engine as inf
+MAX_CONSTRAINT_BYTES = "max_constraint_bytes"
+"""The validation context's key for the router's EPD_STRUCTURED_MAX_BYTES: a structured-output constraint
+surely longer is refused while the body is validated, before it is written out as text (services/router/
+constraint_size.py; without it the router's own check refuses it later, at the cost of that text)."""
 
 # Fields that would change the answer and that epd does not implement (OpenAI's, then vLLM's extras), with
 # the values that mean "off" (what leaving the field out means); anything else is refused with 400 naming
@@ -281,31 +286,37 @@ def schema_text(field: str, schema: Any) -> str:
         raise FieldError(field, f"{field} is nested too deeply") from None
 
 
-def _constraints(body: GenerationFields) -> list[tuple[str, str, Any]]:
-    """Every constraint the body sets: (HTTP field, SamplingParams field, value)."""
-    out: list[tuple[str, str, Any]] = []
+def _constraints(body: GenerationFields, max_bytes: int | None) -> list[tuple[str, str, Any]]:
+    """Every constraint the body sets: (HTTP field, SamplingParams field, value), each schema as JSON text;
+    FieldError for one surely over ``max_bytes`` (checked before any schema is written out)."""
+    sent: list[tuple[str, str, Any]] = []
     fmt = body.response_format
     if isinstance(fmt, JsonObjectFormat):
-        out.append(("response_format", "json_object", True))
+        sent.append(("response_format", "json_object", True))
     elif isinstance(fmt, JsonSchemaResponseFormat):
-        field = "response_format.json_schema.schema"
-        out.append((field, "json_schema", schema_text(field, fmt.json_schema.schema_)))
+        sent.append(("response_format.json_schema.schema", "json_schema", fmt.json_schema.schema_))
     so = body.structured_outputs
     if so is not None:
         if so.json_ is not None:
-            out.append(("structured_outputs.json", "json_schema", schema_text("structured_outputs.json", so.json_)))
+            sent.append(("structured_outputs.json", "json_schema", so.json_))
         for name in ("regex", "choice", "grammar"):
             if getattr(so, name) is not None:
-                out.append((f"structured_outputs.{name}", name, getattr(so, name)))
+                sent.append((f"structured_outputs.{name}", name, getattr(so, name)))
         if so.json_object:
-            out.append(("structured_outputs.json_object", "json_object", True))
+            sent.append(("structured_outputs.json_object", "json_object", True))
     extra = body.model_extra or {}
     if extra.get("guided_json") is not None:
-        out.append(("guided_json", "json_schema", schema_text("guided_json", extra["guided_json"])))
+        sent.append(("guided_json", "json_schema", extra["guided_json"]))
     for name in ("regex", "choice", "grammar"):
         if extra.get(f"guided_{name}") is not None:
-            out.append((f"guided_{name}", name, extra[f"guided_{name}"]))
-    return out
+            sent.append((f"guided_{name}", name, extra[f"guided_{name}"]))
+    for field, kind, value in sent:
+        try:
+            if kind != "json_object":
+                check_constraint_size(field, value, max_bytes)
+        except ConstraintTooLarge as exc:
+            raise FieldError(exc.field, str(exc)) from None
+    return [(field, kind, schema_text(field, value) if kind == "json_schema" else value) for field, kind, value in sent]
 
 
 def _set_constraint(sampling: common_pb2.SamplingParams, kind: str, value: Any, field: str) -> None:
@@ -328,6 +339,7 @@ class GenerationFields(ApiModel):
         extra="allow", allow_inf_nan=False, json_schema_extra=_needs(stream_options=("stream", True))
     )
     endpoint: ClassVar[str] = "chat"
+    _constraint_list: list[tuple[str, str, Any]] | None = PrivateAttr(None)  # _constraints, made once
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=U32)
@@ -368,7 +380,7 @@ class GenerationFields(ApiModel):
         return self.n or 1
 
     @model_validator(mode="after")
-    def _check_refused(self) -> GenerationFields:
+    def _check_refused(self, info: ValidationInfo) -> GenerationFields:
         extra = self.model_extra or {}
         refused = {**REFUSED, "add_special_tokens": ADD_SPECIAL_TOKENS[self.endpoint]}
         if self.endpoint == "completion":
@@ -381,15 +393,22 @@ class GenerationFields(ApiModel):
             raise FieldError("best_of", f"best_of other than n ({self.choices}) is not supported by this server yet")
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "stream_options is only allowed with stream=true")
-        constraints = _constraints(self)
+        constraints = self._constraint_list = _constraints(self, (info.context or {}).get(MAX_CONSTRAINT_BYTES))
         if len(constraints) > 1:
             names = " and ".join(field for field, _, _ in constraints)
             raise FieldError(constraints[1][0], f"one structured-output constraint per request, got {names}")
         return self
 
+    def constraints(self) -> list[tuple[str, str, Any]]:
+        """The body's constraints (one at most once validated): (HTTP field, SamplingParams field, value, a
+        schema as JSON text), made once."""
+        if self._constraint_list is None:
+            self._constraint_list = _constraints(self, None)
+        return self._constraint_list
+
     def structured_field(self) -> dict[str, str]:
         """The SamplingParams field of the body's constraint -> the HTTP field that set it (none: empty)."""
-        return {kind: field for field, kind, _ in _constraints(self)}
+        return {kind: field for field, kind, _ in self.constraints()}
 
     def base_sampling(self, max_tokens: int) -> common_pb2.SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -412,7 +431,7 @@ class GenerationFields(ApiModel):
         )
         if self.seed is not None:
             sampling.seed = self.seed
-        for field, kind, value in _constraints(self):
+        for field, kind, value in self.constraints():
             _set_constraint(sampling, kind, value, field)
         so = self.structured_outputs
         if so is not None and so.disable_any_whitespace is not None:

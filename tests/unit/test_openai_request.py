@@ -207,7 +207,7 @@ def test_continuous_usage_counts_every_streamed_token() -> None:
 
 
 def test_openapi_document_states_the_request_models() -> None:
-    api = HttpApi(None, None, lambda: None, lambda: None, None, "m", 100, 1.0, 1 << 20, "1.2.3")  # type: ignore[arg-type]
+    api = HttpApi(None, None, lambda: None, lambda: None, None, "m", 100, 1.0, 1 << 20, 128 << 10, "1.2.3")  # type: ignore[arg-type]
     doc = build_app(api).openapi()
     assert doc["info"]["version"] == "1.2.3"
     schemas = doc["components"]["schemas"]
