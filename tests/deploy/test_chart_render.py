@@ -25,6 +25,7 @@ EXPECTED_SCENARIOS = {
     "gpu-4enc-8wkr-values.yaml",
     "gpu-tp4-values.yaml",
     "cpu-dev-values.yaml",
+    "pd-prefill-pool-values.yaml",
     "tls-auth-values.yaml",
 }
 

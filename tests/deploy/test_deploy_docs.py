@@ -24,7 +24,7 @@ from tests.deploy.support import (
     values_leaf_paths,
 )
 
-COMPONENTS = ("router", "encoder", "worker")
+COMPONENTS = ("router", "encoder", "worker", "prefill")
 
 
 def readme_deploy() -> str:

@@ -81,6 +81,10 @@ app.kubernetes.io/part-of: epd
 {{- printf "%s-worker.%s.svc.%s" (include "epd.fullname" .) .Release.Namespace .Values.clusterDomain }}
 {{- end }}
 
+{{- define "epd.prefillHost" -}}
+{{- printf "%s-prefill.%s.svc.%s" (include "epd.fullname" .) .Release.Namespace .Values.clusterDomain }}
+{{- end }}
+
 {{/* The addresses workers register under in Redis (for NOTES.txt; the router reads the registry). */}}
 {{- define "epd.workerAddrs" -}}
 {{- $root := . }}
