@@ -13,7 +13,15 @@ from services.common.config import load
 from services.worker.config import WorkerConfig
 from tests.deploy.support import COMPOSE_FILE, interface_env_names, interpolate, load_compose
 
-EPD_SERVICES = {"router": 50051, "encoder": 50061, "worker": 50071, "encoder-gpu": 50061, "worker-gpu": 50071}
+EPD_SERVICES = {
+    "router": 50051,
+    "encoder": 50061,
+    "worker": 50071,
+    "encoder-gpu": 50061,
+    "worker-gpu": 50071,
+    "prefill": 50071,
+}
+PROFILES = {"encoder-gpu": ["gpu"], "worker-gpu": ["gpu"], "prefill": ["pd"]}
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +75,7 @@ def test_model_init_builds_the_tiny_model_only_when_missing(compose: dict[str, A
 @pytest.mark.parametrize(("name", "port"), sorted(EPD_SERVICES.items()))
 def test_epd_services(compose: dict[str, Any], name: str, port: int) -> None:
     service = services(compose)[name]
-    role = name.removesuffix("-gpu")
+    role = "worker" if name == "prefill" else name.removesuffix("-gpu")
     assert service["command"] == ["serve", role]
     env = service["environment"]
     assert set(n for n in env if n.startswith("EPD_")) <= interface_env_names()
@@ -111,7 +119,7 @@ def test_every_epd_service_shares_one_redis(compose: dict[str, Any]) -> None:
 def test_gpu_profile_reserves_nvidia_devices(compose: dict[str, Any]) -> None:
     for name, service in services(compose).items():
         gpu = name.endswith("-gpu")
-        assert service.get("profiles") == (["gpu"] if gpu else None), name
+        assert service.get("profiles") == PROFILES.get(name), name
         if not gpu:
             assert "deploy" not in service, name
             continue
@@ -157,3 +165,13 @@ def test_a_mounted_model_replaces_the_tiny_one() -> None:
     worker = compose["services"]["worker"]
     assert worker["environment"]["EPD_MODEL"] == "/models/qwen2-vl-2b"
     assert worker["volumes"] == ["/srv/models:/models:ro"]
+
+
+def test_pd_profile_adds_a_prefill_worker_and_the_variables_turn_the_split_on(compose: dict[str, Any]) -> None:
+    prefill = services(compose)["prefill"]["environment"]
+    assert prefill["EPD_WORKER_ROLE"] == "prefill" and load(WorkerConfig, env=prefill).worker_role == "prefill"
+    assert services(compose)["worker"]["environment"]["EPD_WORKER_ROLE"] == "both"
+    assert services(compose)["router"]["environment"]["EPD_PD_MIN_PREFILL_TOKENS"] == "0"  # off unless asked
+    split = load_compose({"EPD_WORKER_ROLE": "decode", "EPD_PD_MIN_PREFILL_TOKENS": "128"})["services"]
+    assert load(WorkerConfig, env=split["worker"]["environment"]).worker_role == "decode"
+    assert split["router"]["environment"]["EPD_PD_MIN_PREFILL_TOKENS"] == "128"
