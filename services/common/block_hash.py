@@ -2,7 +2,8 @@
 
 A prompt is cut into blocks of ``block_size`` tokens. Each full block gets a sha256 chained over
 ``(parent hash, token ids, extra keys)`` starting from a fixed root. The extra keys are
-``(mm_hash, offset in item)`` for every media item overlapping the block, so two prompts with the same
+``(mm_hash, offset in item)`` for every media span overlapping the block (the offset counts the item's rows
+before the span: ``item_row``), so two prompts with the same
 placeholder tokens but different images never share the blocks from that image on; ``cache_salt`` is
 folded into block 0 only, so different tenants share nothing. Fields are length-prefixed; Python's
 ``hash()`` is never used, so every process computes the same bytes.
@@ -23,7 +24,7 @@ ROOT_HASH: bytes = hashlib.sha256(HASH_SCHEME).digest()
 
 @dataclass(frozen=True)
 class ExtraKey:
-    """A media item overlapping a block, and the index inside the item where the overlap starts."""
+    """A media item overlapping a block, and the index inside the item (its embedding row) where the overlap starts."""
 
     mm_hash: str
     offset_in_item: int
@@ -34,11 +35,11 @@ def _field(data: bytes) -> bytes:
 
 
 def block_extra_keys(start: int, end: int, media: Sequence[MediaSpan]) -> list[ExtraKey]:
-    """Extra keys for the block of tokens ``[start, end)``: one per overlapping media item, in order."""
+    """Extra keys for the block of tokens ``[start, end)``: one per overlapping media span, in order."""
     keys = []
     for item in media:
         if item.offset < end and start < item.end:
-            keys.append(ExtraKey(item.mm_hash, max(start - item.offset, 0)))
+            keys.append(ExtraKey(item.mm_hash, item.item_row + max(start - item.offset, 0)))
     return keys
 
 

@@ -11,7 +11,13 @@ from services.models.media_span import MediaSpan
 def media_span(ref: common_pb2.MediaRef) -> MediaSpan:
     """The span a ref carries (an unset modality is an image's)."""
     return MediaSpan(
-        ref.mm_hash, ref.offset, ref.num_tokens, tuple(ref.grid_thw), ref.modality or "image", ref.second_per_grid_t
+        ref.mm_hash,
+        ref.offset,
+        ref.num_tokens,
+        tuple(ref.grid_thw),
+        ref.modality or "image",
+        ref.second_per_grid_t,
+        ref.item_row,
     )
 
 
@@ -25,4 +31,5 @@ def media_ref(span: MediaSpan, frame_indices: Sequence[int] = ()) -> common_pb2.
         grid_thw=list(span.grid_thw),
         second_per_grid_t=span.second_per_grid_t,
         frame_indices=list(frame_indices),
+        item_row=span.item_row,
     )

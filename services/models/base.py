@@ -72,11 +72,14 @@ class VideoTokens(ItemTokens):
     `frame_indices` are the decoded frames (0-based, presentation order) the encoder samples, exactly these;
     `grid_thw[0] == ceil(len(frame_indices) / temporal_patch_size)` (the last frame repeats to fill a patch).
     `second_per_grid_t` is the seconds one temporal grid step spans, as float32 (Qwen2.5-VL scales M-RoPE
-    time by it); 0.0 when the family's positions do not use it.
+    time by it); 0.0 when the family's positions do not use it. `timestamps` are the seconds of each temporal
+    grid step (the mean of its first and last frame's), for a family that writes them into the prompt (Qwen3-VL);
+    empty otherwise.
     """
 
     frame_indices: tuple[int, ...] = ()
     second_per_grid_t: float = 0.0
+    timestamps: tuple[float, ...] = ()
     modality: str = "video"
 
 
@@ -96,8 +99,10 @@ class VideoFramePlan:
 class BuiltPrompt:
     """A tokenized prompt.
 
-    Invariant: `text_tokens + media_tokens == len(token_ids)`, and `spans[i]` is item i's placeholders, grid and
-    modality (its `mm_hash` empty: the router hashes the items).
+    Invariant: `text_tokens + media_tokens == len(token_ids)`; `spans` are the items' placeholders, grid and
+    modality in prompt order (their `mm_hash` empty: the router hashes the items): one span per item, or several
+    consecutive ones where the family writes text between parts of an item (Qwen3-VL's video frame groups), told
+    apart by `item_row` (services/models/media_span.py).
     """
 
     token_ids: list[int]

@@ -125,6 +125,17 @@ class Qwen2VLAdapter(FolderAdapter, Qwen2VLVideoMixin):
 
         Raises PromptError when user text holds a special token, or media parts and items disagree.
         """
+        text, kinds = self._chat_text(messages, items)
+        # the Rust tokenizer itself: the Python wrapper's call adds ~100 us per prompt and the same ids
+        ids = self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+        if "video" not in kinds:  # the common case, scanned in C
+            return expand_placeholders(ids, self.image_token_id, items)
+        placeholders = {"image": self.image_token_id, "video": self.video_token_id}
+        return expand_media_placeholders(ids, placeholders, items)
+
+    def _chat_text(self, messages: list[ChatMessage], items: list[ItemTokens]) -> tuple[str, list[str]]:
+        """The rendered chat template (one placeholder per media part) and the media parts' kinds, checked against
+        `items`. Raises PromptError."""
         if not messages:
             raise PromptError("a prompt needs at least one message")
         check_no_special_text(messages, self.special_tokens)
@@ -148,12 +159,7 @@ class Qwen2VLAdapter(FolderAdapter, Qwen2VLVideoMixin):
             for message in messages
         ]
         text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        # the Rust tokenizer itself: the Python wrapper's call adds ~100 us per prompt and the same ids
-        ids = self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
-        if "video" not in kinds:  # the common case, scanned in C
-            return expand_placeholders(ids, self.image_token_id, items)
-        placeholders = {"image": self.image_token_id, "video": self.video_token_id}
-        return expand_media_placeholders(ids, placeholders, items)
+        return text, kinds
 
     # ----- vision (encoder) -----
 

@@ -75,10 +75,10 @@ class VideoSettings:
     image_std: tuple[float, ...]
 
     @classmethod
-    def from_dict(cls, saved: dict[str, Any]) -> VideoSettings:
-        """Settings as `Qwen2VLVideoProcessor(**saved)` holds them (its defaults; `min_pixels`/`max_pixels`
-        override `size`). Raises ValueError for what this rule does not implement."""
-        values = {**_DEFAULTS, **{k: v for k, v in saved.items() if v is not None}}
+    def from_dict(cls, saved: dict[str, Any], defaults: dict[str, Any] | None = None) -> VideoSettings:
+        """Settings as `Qwen2VLVideoProcessor(**saved)` holds them (its defaults, or a family's own `defaults`;
+        `min_pixels`/`max_pixels` override `size`). Raises ValueError for what this rule does not implement."""
+        values = {**(_DEFAULTS if defaults is None else defaults), **{k: v for k, v in saved.items() if v is not None}}
         size = dict(values["size"])
         low = saved.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels")
         high = saved.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels")

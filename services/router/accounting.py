@@ -5,18 +5,23 @@ returns it from CountTokens. Token counts come from the model's own resize rule 
 same numbers its processor would produce; a video's from its header, through the frames the model's
 sampling takes, which travel with the item (`MediaRef.frame_indices`) so the encoder decodes exactly
 those.
+
+An item is what the encoder encodes and the cache keeps (`refs`, one per item, with its whole grid); where it
+sits in the prompt is one span or, for a family that writes text between parts of an item (Qwen3-VL's
+timestamps between a video's frame groups), several (`media_spans`, what the worker and the block hashes use).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.common.hashing import mm_hash
-from services.common.media_refs import media_ref
+from services.common.media_refs import media_ref, media_span
 from services.common.model_info import ModelInfo
 from services.common.rpc.epd.v1 import common_pb2, generation_pb2
 from services.models.base import ImageSizeError, ItemTokens, PromptError, VideoError, VideoTokens
+from services.models.media_span import MediaSpan, span_items
 from services.router.errors import invalid
 from services.router.intake import Intake, MediaItem
 
@@ -31,6 +36,24 @@ class Accounted:
     max_tokens: int
     n: int = 1
     video_tokens: int = 0
+    spans: tuple[MediaSpan, ...] = field(default=())
+    """The prompt's media spans (`mm_hash` empty: each takes its item's from `refs`, scoped or not); empty: one
+    span per ref, the ref's own."""
+
+    def media_spans(self) -> list[MediaSpan]:
+        """Where the items sit in the prompt, with their items' current `mm_hash` (after any tenant scoping)."""
+        if not self.spans:
+            return [media_span(ref) for ref in self.refs]
+        return [
+            replace(span, mm_hash=self.refs[item].mm_hash)
+            for span, item in zip(self.spans, span_items(list(self.spans)), strict=True)
+        ]
+
+    def worker_media(self) -> list[common_pb2.MediaRef]:
+        """The worker's media refs: one per span (a video's sampled frames are the encoder's alone)."""
+        if not self.spans:
+            return list(self.refs)
+        return [media_ref(span) for span in self.media_spans()]
 
     @property
     def prompt_tokens(self) -> int:
@@ -67,14 +90,21 @@ def account(info: ModelInfo, intake: Intake, max_tokens: int, n: int = 1) -> Acc
             f"prompt of {len(prompt.token_ids)} tokens plus max_tokens {max_tokens} is {total}, "
             f"longer than the model's context of {adapter.max_context} tokens"
         )
+    firsts = [span for span in prompt.spans if span.item_row == 0]  # each item's first span
     refs = [
         media_ref(
-            replace(span, mm_hash=mm_hash(info.identity, item.modality, item.data)),
+            replace(
+                span,
+                mm_hash=mm_hash(info.identity, item.modality, item.data),
+                num_tokens=tokens.num_tokens,
+                grid_thw=tokens.grid_thw,
+            ),
             getattr(tokens, "frame_indices", ()),
         )
-        for item, span, tokens in zip(intake.items, prompt.spans, geometry, strict=True)
+        for item, span, tokens in zip(intake.items, firsts, geometry, strict=True)
     ]
     video = sum(ref.num_tokens for ref in refs if ref.modality == "video")
+    split = len(prompt.spans) != len(refs)
     return Accounted(
         prompt.token_ids,
         refs,
@@ -84,6 +114,7 @@ def account(info: ModelInfo, intake: Intake, max_tokens: int, n: int = 1) -> Acc
         max_tokens,
         max(n, 1),
         video,
+        tuple(prompt.spans) if split else (),
     )
 
 

@@ -185,7 +185,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             relay.bind(request.request_id, outputs)
         timeout = request.embedding_timeout_s or self._config.embedding_timeout_s
         media = [] if direction == KV_RECEIVE else request.media  # a remote prefill's embeddings go to the prefill
-        fetchers = [asyncio.create_task(self._fetch(m.mm_hash, timeout)) for m in media]
+        hashes = dict.fromkeys(m.mm_hash for m in media)  # an item of several spans (a video's frame groups): once
+        fetchers = [asyncio.create_task(self._fetch(mm_hash, timeout)) for mm_hash in hashes]
         embedded = _LastDone(fetchers)  # when the last embedding arrived: the first response's encode_wait_s
         watcher = asyncio.create_task(self._watch_fetches(fetchers, outputs))
         kv_deadline = None

@@ -150,9 +150,9 @@ class Engine:
     def provide_embedding(self, mm_hash: str, tensor: torch.Tensor) -> None:
         """An item's embedding ``[num_tokens, hidden]`` arrived; before or after its requests."""
         for seq in self._sequences():
-            for item in seq.media:
-                if item.mm_hash == mm_hash:
-                    _check_rows(item, seq.request_id, tensor, self.adapter.embedding_width)
+            rows = item_rows(seq.media, mm_hash)
+            if rows:
+                _check_rows(mm_hash, rows, seq.request_id, tensor, self.adapter.embedding_width)
         self.embeddings.provide(mm_hash, tensor)
         self._stalled = False
 
@@ -327,10 +327,12 @@ class Engine:
         first, sampling = choices[0], request.sampling
         self._validate(first, request_blocks(first.num_prompt_tokens, sampling.max_tokens, sampling.n, size, caching))
         self.runner.prepare(first)
-        for item in first.media:
-            known = self.embeddings.peek(item.mm_hash)
+        for mm_hash in dict.fromkeys(item.mm_hash for item in first.media):
+            known = self.embeddings.peek(mm_hash)
             if known is not None:
-                _check_rows(item, first.request_id, known, self.adapter.embedding_width)
+                _check_rows(
+                    mm_hash, item_rows(first.media, mm_hash), first.request_id, known, self.adapter.embedding_width
+                )
         if request.kv_transfer is not None:
             self.kv_connector.check(first, len(choices))
         constraint = sampling.structured
@@ -407,11 +409,16 @@ def _stops_over_min_tokens(seqs: list[Sequence], options: list[SamplingOptions],
             options[i] = dataclasses.replace(opts, min_tokens=0)
 
 
-def _check_rows(item: MediaSpan, request_id: str, tensor: torch.Tensor, width: int) -> None:
-    """An item's embedding must be its rows at the adapter's `embedding_width` (a tensor of another layout, say
+def item_rows(media: list[MediaSpan], mm_hash: str) -> int:
+    """The embedding rows of item ``mm_hash`` that ``media`` covers (its spans' last ``item_end``); 0 if none."""
+    return max((span.item_end for span in media if span.mm_hash == mm_hash), default=0)
+
+
+def _check_rows(mm_hash: str, rows: int, request_id: str, tensor: torch.Tensor, width: int) -> None:
+    """An item's embedding must be its ``rows`` at the adapter's `embedding_width` (a tensor of another layout, say
     one without DeepStack levels, is refused here rather than failing a step)."""
-    if tensor.dim() != 2 or tuple(tensor.shape) != (item.num_tokens, width):
+    if tensor.dim() != 2 or tuple(tensor.shape) != (rows, width):
         raise ValueError(
-            f"embedding {item.mm_hash[:16]} has shape {tuple(tensor.shape)}, request {request_id!r} "
-            f"expects {item.num_tokens} rows of {width}"
+            f"embedding {mm_hash[:16]} has shape {tuple(tensor.shape)}, request {request_id!r} "
+            f"expects {rows} rows of {width}"
         )

@@ -144,6 +144,7 @@ def _placed_rows(seq: Sequence, start: int, end: int, row: int, embeddings: Embe
     for item in seq.media:
         lo, hi = max(start, item.offset), min(end, item.offset + item.num_tokens)
         if lo < hi:
-            rows = embeddings.get(item.mm_hash)[lo - item.offset : hi - item.offset]
+            first = item.item_row - item.offset  # the embedding row of token i is i + first
+            rows = embeddings.get(item.mm_hash)[lo + first : hi + first]
             placed.append(PlacedEmbedding(row + lo - start, rows))
     return placed

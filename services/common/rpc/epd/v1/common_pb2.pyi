@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class MediaRef(_message.Message):
-    __slots__ = ("mm_hash", "modality", "offset", "num_tokens", "grid_thw", "second_per_grid_t", "frame_indices")
+    __slots__ = ("mm_hash", "modality", "offset", "num_tokens", "grid_thw", "second_per_grid_t", "frame_indices", "item_row")
     MM_HASH_FIELD_NUMBER: _ClassVar[int]
     MODALITY_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,7 @@ class MediaRef(_message.Message):
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
     SECOND_PER_GRID_T_FIELD_NUMBER: _ClassVar[int]
     FRAME_INDICES_FIELD_NUMBER: _ClassVar[int]
+    ITEM_ROW_FIELD_NUMBER: _ClassVar[int]
     mm_hash: str
     modality: str
     offset: int
@@ -22,7 +23,8 @@ class MediaRef(_message.Message):
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
     second_per_grid_t: float
     frame_indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, mm_hash: _Optional[str] = ..., modality: _Optional[str] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., second_per_grid_t: _Optional[float] = ..., frame_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+    item_row: int
+    def __init__(self, mm_hash: _Optional[str] = ..., modality: _Optional[str] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., second_per_grid_t: _Optional[float] = ..., frame_indices: _Optional[_Iterable[int]] = ..., item_row: _Optional[int] = ...) -> None: ...
 
 class TensorMeta(_message.Message):
     __slots__ = ("dtype", "shape", "nbytes")
