@@ -385,8 +385,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """The worker's responses as client chunks until every choice is done or the stream ends. `prefill`: the
         remote prefill's task, whose failure, or the decode worker's deadline for its KV, is WorkerLost of the
         prefill worker (the next attempt prefills locally)."""
+        answered = False  # a response of this attempt arrived (after a remote prefill: its KV did)
         try:
             while (response := await call.read()) is not None:
+                answered = True
                 end.released_at = response.state_at or end.released_at  # set on the worker's last message only
                 chunk = state.take(response, self._metrics)
                 if chunk is not None:
@@ -402,12 +404,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 raise WorkerLost(worker_name, PREFILL_LOST, str(failed)) from None
             if (
                 prefill is not None
-                and not prefill.done()
                 and isinstance(exc, grpc.aio.AioRpcError)
                 and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                and not answered  # before its first token: the KV is what it waited for
                 and time.monotonic() < deadline
-            ):  # the decode worker's deadline for the KV passed (EPD_KV_TRANSFER_TIMEOUT_S), not the request's
-                prefill.cancel()
+            ):  # the decode worker's deadline for the KV passed (EPD_KV_TRANSFER_TIMEOUT_S), not the request's;
+                prefill.cancel()  # a prefill still running is given up (one that ended late was dropped there)
                 raise WorkerLost(prefill.get_name(), PREFILL_LOST, f"its KV did not arrive: {exc.details()}") from None
             if vanished.is_set():
                 raise WorkerLost(worker, "vanished", "missing from the registry") from None
