@@ -1,8 +1,9 @@
-"""Reference outputs of transformers' own Qwen2-VL / Qwen2.5-VL video processing, for the video rule tests.
+"""Reference outputs of transformers' own Qwen2-VL / Qwen2.5-VL / Qwen3-VL video processing, for the video rule tests.
 
 transformers' video processors need torchvision, which cannot run beside this project's CPU torch; this
-script runs where it can and stores what the real processors produce, and tests/unit/test_qwen2_vl_video.py
-proves our rules (services/models/qwen2_vl_video.py) and the test oracle (tests/oracle_video.py) equal to it.
+script runs where it can and stores what the real processors produce, and tests/unit/test_qwen2_vl_video.py and
+tests/unit/test_qwen3_vl_video.py prove our rules (services/models/qwen2_vl_video.py, qwen3_vl_video.py) and the
+test oracle (tests/oracle_video.py) equal to it.
 
     python scripts/video_reference.py [OUT_DIR]      (default tests/data/video_reference)
 
@@ -10,7 +11,8 @@ Needs torchvision matching torch. Its PyPI wheel built for CUDA loads against a 
 its compiled detection operators (nms, roi_align, ...), whose fake-kernel registration then fails at import:
 that registration alone is skipped here (the video path calls none of them; resize and normalise are
 torch ops). Writes, per video: the file, and per family the processor's sampled frame indices,
-`video_grid_thw`, `second_per_grid_ts` (Qwen2.5-VL), the prompt's `input_ids`, and the sha256, shape and
+`video_grid_thw`, `second_per_grid_ts` (Qwen2.5-VL), the prompt's `input_ids` (Qwen3-VL's with its timestamps),
+and the sha256, shape and
 sum of `pixel_values_videos`; and, for header-only cases (no file), the indices and grid.
 
 Decoding for the reference: where the header counts frames (MP4), transformers' own `read_video_pyav`
@@ -18,6 +20,9 @@ with the video processor's `sample_frames`, then the processor on those frames a
 pipeline `processor(videos=path)` runs with the PyAV backend); a WebM header counts none, which that reader
 cannot sample from, so there every frame goes through the same `to_ndarray(format="rgb24")`, the metadata
 is the decoded count and `float(average_rate)`, and the processor samples the frames.
+
+A video file already in OUT_DIR is read, not made again (the codecs' bytes differ between runs), so a rerun
+over the stored folder adds a family without changing what the other families' entries describe.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-FAMILIES = ("qwen2-vl", "qwen2.5-vl")
+FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
 PROMPT = "What happens in the video?"
 # name -> media_factory.video arguments: odd sizes, 1-20 s, 10-60 fps, mp4 (H.264 4:2:0 / 4:4:4, MPEG-4) and webm.
 VIDEOS: dict[str, dict] = {
@@ -152,8 +157,9 @@ def main(out_dir: Path) -> None:
         processors = {f: AutoProcessor.from_pretrained(make_tiny_model(Path(tmp) / f, f)) for f in FAMILIES}
         for name, args in VIDEOS.items():
             suffix = {"mp4": "mp4", "webm": "webm", "mkv": "mkv"}[args.get("container", "mp4")]
-            data = media_factory.video(**args)
-            (out_dir / f"{name}.{suffix}").write_bytes(data)
+            stored = out_dir / f"{name}.{suffix}"
+            data = stored.read_bytes() if stored.exists() else media_factory.video(**args)  # encoders vary by run
+            stored.write_bytes(data)
             frames, meta = decode_all(data)
             reader = data if suffix == "mp4" else None
             entry = {"file": f"{name}.{suffix}", "metadata": meta}

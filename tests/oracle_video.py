@@ -11,6 +11,12 @@ transcription equal to the real processor on outputs stored by scripts/video_ref
 - Qwen2.5-VL's `second_per_grid_ts = temporal_patch_size / sampled_fps` as a float32 tensor;
 - placeholders expanded in text, `mm_token_type_ids` 1 for image and 2 for video tokens, then
   `model.generate(do_sample=False)`.
+
+Qwen3-VL's `Qwen3VLVideoProcessor` likewise (tests/unit/test_qwen3_vl_video.py proves it on the same stored
+outputs): its `sample_frames` (`linspace(0, frames - 1, int(frames / fps x 2)).round()`), transformers' own
+video `smart_resize` over the whole clip (with its per-frame cap), the same resize, normalise and patchify; and
+`Qwen3VLProcessor`'s text: each video placeholder becomes, per temporal patch, `<t seconds><|vision_start|>` +
+the frame's pads + `<|vision_end|>`, the seconds from `_calculate_timestamps` itself.
 """
 
 from __future__ import annotations
@@ -53,11 +59,23 @@ class VideoInputs:
     video_grid_thw: tuple[int, int, int]
     second_per_grid_t: torch.Tensor  # float32 scalar
     frame_indices: list[int]
+    text: str = ""  # Qwen3-VL: what the video's placeholder becomes in the prompt text (timestamps and frames)
+
+
+_QWEN3_DEFAULTS = {
+    **_DEFAULTS,
+    "size": {"shortest_edge": 128 * 32 * 32, "longest_edge": 768 * 32 * 32},
+    "max_video_tokens": 768,
+    "patch_size": 16,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
 
 
 def video_config(model_dir: Path) -> dict[str, Any]:
     saved = json.loads((Path(model_dir) / "video_preprocessor_config.json").read_text())
-    return {**_DEFAULTS, **saved}
+    qwen3 = saved.get("video_processor_type") == "Qwen3VLVideoProcessor"
+    return {**(_QWEN3_DEFAULTS if qwen3 else _DEFAULTS), **saved, "qwen3": qwen3}
 
 
 def decoded(data: bytes, config: dict[str, Any]) -> tuple[np.ndarray, list[int], float, int]:
@@ -78,8 +96,12 @@ def decoded(data: bytes, config: dict[str, Any]) -> tuple[np.ndarray, list[int],
 
 
 def sample(metadata: Any, config: dict[str, Any]) -> np.ndarray:
-    """`Qwen2VLVideoProcessor.sample_frames` at the saved fps."""
+    """`Qwen2VLVideoProcessor.sample_frames` (or Qwen3VLVideoProcessor's) at the saved fps."""
     total, patch = metadata.total_num_frames, config["temporal_patch_size"]
+    if config["qwen3"]:
+        num = int(total / metadata.fps * config["fps"])
+        num = min(max(num, config["min_frames"]), config["max_frames"], total)
+        return np.linspace(0, total - 1, num).round().astype(int)
     max_frames = math.floor(min(config["max_frames"], total) / patch) * patch
     num = total / metadata.fps * config["fps"]
     num = min(max(num, config["min_frames"]), max_frames, total)
@@ -96,11 +118,14 @@ def video_inputs(data: bytes, config: dict[str, Any]) -> VideoInputs:
     factor = patch * merge
     size = config["size"]
     max_pixels = size["longest_edge"]
-    if config["cap_pixels_per_frame"]:
-        total_pixels = int(config["max_video_tokens"] * factor * factor * 0.9)
-        max_pixels = max(min(max_pixels, total_pixels * temporal // len(frames)), int(size["shortest_edge"] * 1.05))
     height, width = video.shape[-2:]
-    rh, rw = smart_resize(height, width, factor=factor, min_pixels=size["shortest_edge"], max_pixels=max_pixels)
+    if config["qwen3"]:
+        rh, rw = _qwen3_resize(len(frames), height, width, config)
+    else:
+        if config["cap_pixels_per_frame"]:
+            total_pixels = int(config["max_video_tokens"] * factor * factor * 0.9)
+            max_pixels = max(min(max_pixels, total_pixels * temporal // len(frames)), int(size["shortest_edge"] * 1.05))
+        rh, rw = smart_resize(height, width, factor=factor, min_pixels=size["shortest_edge"], max_pixels=max_pixels)
     if (rh, rw) != (height, width):
         video = torch.nn.functional.interpolate(
             video, size=[rh, rw], mode="bicubic", align_corners=False, antialias=True
@@ -114,7 +139,38 @@ def video_inputs(data: bytes, config: dict[str, Any]) -> VideoInputs:
     patches = video.view(1, t, temporal, 3, gh // merge, merge, patch, gw // merge, merge, patch)
     rows = patches.permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9).reshape(t * gh * gw, 3 * temporal * patch * patch)
     sampled_fps = len(indices) / total * fps
-    return VideoInputs(rows, (t, gh, gw), torch.tensor([temporal / sampled_fps])[0], indices)
+    text = _qwen3_text(indices, fps, temporal, gh * gw // merge**2) if config["qwen3"] else ""
+    return VideoInputs(rows, (t, gh, gw), torch.tensor([temporal / sampled_fps])[0], indices, text)
+
+
+def _qwen3_resize(num_frames: int, height: int, width: int, config: dict[str, Any]) -> tuple[int, int]:
+    """Qwen3VLVideoProcessor.resize's size: transformers' own clip `smart_resize`, its per-frame cap applied."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+    factor, size = config["patch_size"] * config["merge_size"], config["size"]
+    max_pixels = size["longest_edge"]
+    if config["cap_pixels_per_frame"]:
+        frame_cap = config["max_video_tokens"] * factor * factor
+        per_frame = max(min(frame_cap, size["longest_edge"] // num_frames), int(size["shortest_edge"] * 1.05))
+        max_pixels = per_frame * num_frames
+    return smart_resize(
+        num_frames=num_frames,
+        height=height,
+        width=width,
+        factor=factor,
+        temporal_factor=config["temporal_patch_size"],
+        min_pixels=size["shortest_edge"],
+        max_pixels=max_pixels,
+    )
+
+
+def _qwen3_text(indices: list[int], fps: float, temporal: int, per_frame: int) -> str:
+    """`Qwen3VLProcessor.replace_video_token`'s text, its timestamps from `_calculate_timestamps` itself."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    stamps = Qwen3VLProcessor._calculate_timestamps(None, list(indices), fps, temporal)
+    frame = "<|vision_start|>" + "<|video-expanded|>" * per_frame + "<|vision_end|>"
+    return "".join(f"<{seconds:.1f} seconds>" + frame for seconds in stamps)
 
 
 def hf_generate_media(
@@ -153,8 +209,9 @@ def hf_generate_media(
         if config.model_type == "qwen2_5_vl":
             extra["second_per_grid_ts"] = torch.stack([v.second_per_grid_t for v in videos])
     for kind, pad in pads.items():
-        for count in counts[kind]:
-            text = text.replace(pad, f"<|{kind}-expanded|>" * count, 1)
+        for index, count in enumerate(counts[kind]):
+            expansion = videos[index].text if kind == "video" and videos[index].text else f"<|{kind}-expanded|>" * count
+            text = text.replace(pad, expansion, 1)
         text = text.replace(f"<|{kind}-expanded|>", pad)
     encoded = loaded.tokenizer(text, return_tensors="pt")
     ids = encoded["input_ids"]

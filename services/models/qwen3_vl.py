@@ -14,24 +14,40 @@ the same ids. What differs:
   ... (`_deepstack_process`), so a prefill chunk that splits an item adds the levels of the rows it computes.
 - The language model is `qwen3_vl_text` (q/k norms, an explicit head_dim); the engine's per-layer-type mask
   becomes the one mask it takes.
-- Video: Qwen3-VL writes a timestamp before each frame (`<t seconds><|vision_start|>frame<|vision_end|>`), so a
-  video's placeholders are not one run; that layout is not built: the adapter is no `VideoAdapter`, so the router
-  refuses video parts.
+- Video (services/models/qwen3_vl_video.py): its own frame sampling and whole-clip resize, and a timestamp before
+  each temporal patch's frame group (`<t seconds><|vision_start|>` + the group's tokens + `<|vision_end|>`), so a
+  video is one item (one tower call, one embedding, one cache entry) placed as several spans, one per frame group,
+  each at its `item_row` with grid `(1, h, w)`: `get_rope_index` positions each group as an image from where it
+  starts (the timestamps between are text), which is what the inherited positions give such spans.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from services.models import deepstack
-from services.models.base import PixelInputs, PlacedEmbedding
+from services.models import deepstack, qwen3_vl_video
+from services.models.base import (
+    BuiltPrompt,
+    ChatMessage,
+    ItemTokens,
+    PixelInputs,
+    PlacedEmbedding,
+    PromptError,
+    VideoTokens,
+)
+from services.models.loading import read_video_processor_dict
+from services.models.prompt import expand_media_placeholders
 from services.models.qwen2_vl import Qwen2VLAdapter
 from services.models.qwen2_vl_video import VideoSettings
 from services.models.qwen2_vl_vision import plan_vision, stage, stage_batch, tower_takes_plan
+
+log = logging.getLogger(__name__)
 
 
 class Qwen3VLAdapter(Qwen2VLAdapter):
@@ -42,17 +58,13 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
     count.
     """
 
-    # Not a `VideoAdapter` (so the router refuses a video part at intake, before fetching it): a protocol method
-    # set to None blocks `isinstance`, as typing documents. Qwen3-VL's timestamped frames are not built.
-    video_tokens = None  # type: ignore[assignment]
-    video_frame_plan = None  # type: ignore[assignment]
-    preprocess_video = None  # type: ignore[assignment]
-
     def __init__(
         self, model_dir: Path | None, config: Any, tokenizer: Any | None, image_processor: Any | None, eos: list[int]
     ) -> None:
         super().__init__(model_dir, config, tokenizer, image_processor, eos)
         self.deepstack_levels: int = len(config.vision_config.deepstack_visual_indexes)
+        self.vision_start_token_id: int = int(config.vision_start_token_id)
+        self.vision_end_token_id: int = int(config.vision_end_token_id)
         self.embedding_width = self.hidden_size * (1 + self.deepstack_levels)
 
     def processor_settings(self) -> dict[str, Any]:
@@ -63,6 +75,53 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
             "embedding_layout": deepstack.LAYOUT,
             "deepstack_levels": self.deepstack_levels,
         }
+
+    # ----- accounting (router) -----
+
+    def video_tokens(self, width: int, height: int, total_frames: int, fps: float) -> VideoTokens:
+        """Frames, grid, tokens and per-patch timestamps of a video from its header (`qwen3_vl_video`)."""
+        return qwen3_vl_video.video_tokens(width, height, total_frames, fps, self._video())
+
+    def build_prompt(self, messages: list[ChatMessage], items: list[ItemTokens]) -> BuiltPrompt:
+        """As Qwen2-VL's, but each video becomes its timestamped frame groups: the text the processor writes for
+        it, tokenized, with one span per group (grid `(1, h, w)`, at `item_row` k x the group's tokens).
+
+        Raises PromptError when user text holds a special token, or media parts and items disagree.
+        """
+        if all(item.modality != "video" for item in items):
+            return super().build_prompt(messages, items)
+        text, _ = self._chat_text(messages, items)
+        pad = self.tokenizer.convert_ids_to_tokens(self.video_token_id)
+        start = self.tokenizer.convert_ids_to_tokens(self.vision_start_token_id)
+        end = self.tokenizer.convert_ids_to_tokens(self.vision_end_token_id)
+        pieces = text.split(pad)
+        videos = [item for item in items if item.modality == "video"]
+        if len(pieces) != len(videos) + 1:
+            raise PromptError(f"the chat template wrote {len(pieces) - 1} video placeholders for {len(videos)} videos")
+        groups: list[ItemTokens] = []  # one per frame group, in prompt order, with its item row
+        rows: list[int] = []
+        expanded = [pieces[0]]
+        for item in items:
+            if item.modality != "video":
+                groups.append(item)
+                rows.append(0)
+                continue
+            video = item
+            t, h, w = video.grid_thw
+            per_group = video.num_tokens // t
+            stamps = getattr(video, "timestamps", ())
+            if len(stamps) != t:
+                raise PromptError(f"a video of {t} temporal patches came with {len(stamps)} timestamps")
+            expanded.append(qwen3_vl_video.video_text(stamps, start, pad, end))
+            expanded.append(pieces[len(expanded) // 2])  # the text after this video's placeholder
+            for k in range(t):
+                groups.append(replace(video, num_tokens=per_group, grid_thw=(1, h, w)))
+                rows.append(k * per_group)
+        ids = self.tokenizer.backend_tokenizer.encode("".join(expanded), add_special_tokens=False).ids
+        placeholders = {"image": self.image_token_id, "video": self.video_token_id}
+        built = expand_media_placeholders(ids, placeholders, groups)
+        spans = [replace(span, item_row=row) for span, row in zip(built.spans, rows, strict=True)]
+        return replace(built, spans=spans)
 
     # ----- vision (encoder) -----
 
@@ -123,5 +182,12 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
         return super().forward_hidden(model, inputs_embeds, position_ids, **kwargs)
 
     def _read_video_settings(self) -> VideoSettings | None:
-        """None: Qwen3-VL's timestamped video layout is not built (images never need the settings)."""
-        return None
+        """The folder's video settings as Qwen3VLVideoProcessor reads them; None without a folder, or (logged: videos
+        are then refused) when they ask for something the video rule does not implement."""
+        if self.model_dir is None:
+            return None
+        try:
+            return qwen3_vl_video.video_settings(read_video_processor_dict(self.model_dir))
+        except ValueError as exc:
+            log.warning("%s: video input off: %s", self.model_dir, exc)
+            return None

@@ -90,6 +90,7 @@ def make_tiny_model(
         _write_json(out_dir / "config.json", config)
         _write_json(out_dir / "generation_config.json", _generation_config(info))
         _write_json(out_dir / "preprocessor_config.json", tiny_qwen3_vl.qwen3_vl_preprocessor_config(cap))
+        _write_json(out_dir / "video_preprocessor_config.json", tiny_qwen3_vl.qwen3_vl_video_preprocessor_config())
         _write_weights(out_dir, config, seed)
         return out_dir
     info = save_tokenizer(out_dir, _VOCAB_TARGET, _MAX_POSITIONS)

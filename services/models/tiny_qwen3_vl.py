@@ -6,7 +6,8 @@ DeepStack feature maps taken after both blocks (`deepstack_visual_indexes` [0, 1
 language model after its decoder layers 0 and 1); a Qwen3 language model (`qwen3_vl_text`: q/k norms, an explicit
 `head_dim`, interleaved M-RoPE) as wide and deep as the other tiny families. The image processor is
 Qwen2VLImageProcessor as Qwen3-VL saves it (patch 16, mean and std 0.5) with small pixel limits; the chat template
-is Qwen3-VL's (no default system turn). No video processor settings: Qwen3-VL video is not served.
+is Qwen3-VL's (no default system turn). The video processor is Qwen3VLVideoProcessor with its class defaults (2 fps,
+4..768 frames, the whole clip within 128..768 tokens' worth of pixels) and qwen-vl-utils' per-frame cap on.
 `tiny_model.make_tiny_model(dir, "qwen3-vl")` writes the folder; these functions only build the dicts.
 """
 
@@ -130,4 +131,31 @@ def qwen3_vl_preprocessor_config(max_pixels: int) -> dict[str, Any]:
         "patch_size": PATCH_SIZE,
         "temporal_patch_size": 2,
         "merge_size": MERGE_SIZE,
+    }
+
+
+def qwen3_vl_video_preprocessor_config() -> dict[str, Any]:
+    """Qwen3VLVideoProcessor with its class defaults (2 fps, 4..768 frames, `size` 128..768 tokens' worth of pixels
+    over the whole clip, mean and std 0.5) and `cap_pixels_per_frame` on (each frame's share at most 768 tokens'
+    worth, at least 1.05 x the floor), so the tests cross the cap's rule."""
+    return {
+        "video_processor_type": "Qwen3VLVideoProcessor",
+        "do_resize": True,
+        "do_rescale": True,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "resample": 3,
+        "rescale_factor": 1 / 255,
+        "image_mean": _MEAN_STD,
+        "image_std": _MEAN_STD,
+        "size": {"shortest_edge": 128 * FACTOR * FACTOR, "longest_edge": 768 * FACTOR * FACTOR},
+        "patch_size": PATCH_SIZE,
+        "temporal_patch_size": 2,
+        "merge_size": MERGE_SIZE,
+        "do_sample_frames": True,
+        "fps": 2,
+        "min_frames": 4,
+        "max_frames": 768,
+        "cap_pixels_per_frame": True,
+        "max_video_tokens": 768,
     }

@@ -6,17 +6,21 @@ two DeepStack levels end to end (encoder, transport, Redis and in-process caches
 answers with one to three images, and text alone, equal transformers' `generate`; CountTokens equals the image
 processor's count; a repeated image is served from the embedding cache (the encoder does not run again) as one
 entry holding every level, with the same answer; an entry a Qwen2-VL model of the same hidden size wrote for the
-same bytes is never read; a video is refused; and when a worker is killed mid-stream under 8 image requests every
+same bytes is never read; a video alone and beside an image (its frame groups between timestamps) equals
+`generate` given the model's own video preprocessing, CountTokens equals the processor's count of a stored video
+including the timestamps, and a repeated video is served from the cache; and when a worker is killed mid-stream
+under 8 image requests every
 request completes on the other, re-prefilled with its image's levels from the cache, token for token as before
 (the module's last test: the killed worker stays down)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -32,9 +36,12 @@ from services.models.registry import load_adapter
 from tests import media_factory
 from tests.integration.conftest import RedisServer, metric_value, module_cluster
 from tests.oracle import hf_generate
+from tests.oracle_video import hf_generate_media, video_config, video_inputs
 from tests.reliability_support import describe, image_request, run_all
 
 MAX_TOKENS = 12
+VIDEO_REFERENCE = Path(__file__).resolve().parents[1] / "data" / "video_reference"
+VIDEO_CASES = json.loads((VIDEO_REFERENCE / "reference.json").read_text())
 PROMPT = "Describe the picture."
 TRANSPORTS = ["grpc", "dist"]
 
@@ -182,14 +189,64 @@ def test_a_qwen2_vl_entry_of_the_same_width_is_never_read(cluster: Cluster, tiny
     assert answer.token_ids == expected(cluster.model_dir, [data])
 
 
-def test_video_is_refused(cluster: Cluster) -> None:
-    video = generation_pb2.ContentPart(video=generation_pb2.Media(data=media_factory.video(64, 48, seconds=1, fps=8)))
-    request = user_request("What happens?", [], max_tokens=4)
-    request.messages[0].content.insert(0, video)
-    with pytest.raises(grpc.RpcError) as caught:
-        cluster.client.generate(request)
-    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "video input is not supported by this model" in caught.value.details()
+def _media_request(
+    parts: list[str | tuple[str, bytes]], max_tokens: int = MAX_TOKENS
+) -> generation_pb2.GenerateRequest:
+    """One user message of text and ("image" | "video", bytes) parts."""
+    part, media = generation_pb2.ContentPart, generation_pb2.Media
+    content = [part(text=p) if isinstance(p, str) else part(**{p[0]: media(data=p[1])}) for p in parts]
+    request = user_request("", [], max_tokens=max_tokens)
+    del request.messages[0].content[:]
+    request.messages[0].content.extend(content)
+    return request
+
+
+def _video_expected(model_dir: Path, parts: list[str | tuple[str, bytes]]) -> list[int]:
+    """`generate` given the model's own video preprocessing (tests/oracle_video.py) for the same message."""
+    chat = [ChatPart("text", p) if isinstance(p, str) else ChatPart(p[0]) for p in parts]
+    media = [p[1] if p[0] == "video" else decoded(p[1]) for p in parts if not isinstance(p, str)]
+    return hf_generate_media(model_dir, [ChatMessage("user", chat)], media, MAX_TOKENS)
+
+
+def test_video_alone_and_with_an_image_equals_generate(cluster: Cluster) -> None:
+    """A video's frame groups, with the timestamps between them, through encoder (one item, its DeepStack levels),
+    transport, cache and worker (one span per group): greedy output equals `generate`; usage counts its tokens as
+    the processor does; the same video again is served from the embedding cache."""
+    s = cluster.seed
+    video = media_factory.video(97, 61, seconds=2, fps=15, seed=s + 21)
+    webm = media_factory.video(64, 48, seconds=1.5, fps=8, container="webm", seed=s + 23)
+    cases = [
+        [("video", video), "What happens in the video?"],
+        [("image", media_factory.png(90, 60, seed=s + 22)), "then", ("video", webm), "Which moves?"],
+    ]
+    before = cluster.encoded_items()
+    for parts in cases:
+        answer = cluster.client.generate(_media_request(parts))
+        assert answer.token_ids and answer.token_ids == _video_expected(cluster.model_dir, parts)
+        usage = answer.final.usage
+        videos = [video_inputs(p[1], video_config(cluster.model_dir)) for p in parts if p[0] == "video"]
+        assert usage.video_tokens == sum(int(np.prod(v.video_grid_thw)) // 4 for v in videos)
+        assert usage.prompt_tokens == usage.text_tokens + usage.image_tokens + usage.video_tokens
+    assert cluster.encoded_items() == before + 3
+    again = cluster.client.generate(_media_request(cases[0]))
+    assert cluster.encoded_items() == before + 3 and again.token_ids == _video_expected(cluster.model_dir, cases[0])
+
+
+@pytest.mark.parametrize("name", ["mp4_97x61_15fps_2s", "webm_121x67_24fps_2s", "mp4_58x40_25fps_20s"])
+def test_video_count_tokens_equals_the_processor(cluster: Cluster, name: str) -> None:
+    """CountTokens on a stored video equals the count of the prompt transformers' Qwen3VLProcessor built for it
+    (tests/data/video_reference: timestamps and every frame group's vision_start/vision_end included)."""
+    entry = VIDEO_CASES["videos"][name]
+    reference = entry["qwen3-vl"]
+    data = (VIDEO_REFERENCE / entry["file"]).read_bytes()
+    count = cluster.client.count(_media_request([("video", data), "What happens in the video?"], max_tokens=30))
+    t, h, w = reference["video_grid_thw"]
+    assert count.prompt_tokens == len(reference["input_ids"])
+    assert (count.video_tokens, list(count.tokens_per_item)) == (t * h * w // 4, [t * h * w // 4])
+    assert (
+        count.text_tokens == count.prompt_tokens - count.video_tokens
+        and count.projected_tokens == count.prompt_tokens + 30
+    )
 
 
 def test_a_worker_killed_mid_stream_every_request_completes_unchanged(cluster: Cluster) -> None:

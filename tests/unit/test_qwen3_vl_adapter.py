@@ -231,11 +231,15 @@ def test_split_greedy_equals_generate_whole_and_chunked(qwen3: tuple[Qwen3VLAdap
     assert _split_greedy(adapter, model, images, 16, chunk=10_000, levels=False) != expected  # the levels count
 
 
-def test_video_is_not_taken(qwen3: tuple[Qwen3VLAdapter, Any, Path], tiny_model_dir: Path) -> None:
+def test_video_is_taken_with_its_own_settings(qwen3: tuple[Qwen3VLAdapter, Any, Path], tiny_model_dir: Path) -> None:
+    """A `VideoAdapter` (tests/unit/test_qwen3_vl_video.py proves its rules), whose video settings are
+    Qwen3VLVideoProcessor's and enter the hash."""
     adapter, _, _ = qwen3
-    assert not supports_video(adapter) and supports_video(load_adapter(tiny_model_dir))
+    assert supports_video(adapter) and supports_video(load_adapter(tiny_model_dir))
     assert placeholder_token_id(adapter, "image") == adapter.image_token_id
-    assert adapter.processor_settings()["video"] is None
+    assert placeholder_token_id(adapter, "video") == adapter.video_token_id
+    video = adapter.processor_settings()["video"]
+    assert (video["patch_size"], video["image_mean"], video["cap_pixels_per_frame"]) == (16, [0.5] * 3, True)
 
 
 def test_encode_through_get_image_features_when_the_tower_takes_no_plan(

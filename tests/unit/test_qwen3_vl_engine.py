@@ -6,31 +6,46 @@ gives exactly transformers' greedy `generate` for it alone, with the cases of te
 token budgets 16, 64 and 512 (at 16 and 64 an image's rows, and so its levels, are split over several steps, next
 to other requests' rows), prefix caching on and off, the decode kernel, SDPA and `flash-reference` (16-token blocks,
 and 256-token blocks through the decode graphs' padded path), and our Triton kernel in its interpreter at one
-budget and block size."""
+budget and block size.
+
+Video: requests with a short video (its frame groups between timestamps, one span each at its row of the one
+embedding), alone, with images, twice the same video, and text, equal `generate` given the model's own video
+preprocessing (tests/oracle_video.py), at budgets that split frame groups, prefix caching on and off."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from services.common.media_types import VideoLimits
+from services.common.video import probe_video
+from services.encoder.video_decode import decode_video
+from services.models.base import ChatMessage, ChatPart
+from services.models.media_span import span_items
 from services.models.registry import load_adapter
 from services.worker.engine.attention.backend import ATTENTION_NAME
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingOptions
+from tests import media_factory
 from tests.engine_support import (
     BACKENDS,
     INTERPRETED,
+    LONG,
     Prompt,
     Result,
     backend_config,
     drain,
+    image,
     mixed_workload,
     run_workload,
 )
+from tests.oracle_video import hf_generate_media
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +123,76 @@ def test_an_embedding_without_the_levels_is_refused(
     later.embeddings.provide(mm_hash, rows[:, : adapter.hidden_size].clone())  # held before any request needs it
     with pytest.raises(ValueError, match="rows of"):
         later.add_request(prompt.request("s", SamplingOptions(max_tokens=max_tokens)))
+
+
+def _video_prompt(adapter: Any, model: Any, parts: list[Any]) -> tuple[Prompt, list[Any]]:
+    """One user message of text, images and videos (bytes); each video is one item (one embedding from the real
+    tower) placed as its frame groups' spans."""
+    chat = [
+        ChatPart("text", p) if isinstance(p, str) else ChatPart("video" if isinstance(p, bytes) else "image")
+        for p in parts
+    ]
+    messages = [ChatMessage("user", chat)]
+    media = [p for p in parts if not isinstance(p, str)]
+    items, inputs, hashes = [], [], []
+    for m in media:
+        if isinstance(m, bytes):
+            header = probe_video(m, VideoLimits())
+            tokens = adapter.video_tokens(header.width, header.height, header.frames, header.fps)
+            frames, _ = decode_video(
+                m, adapter.video_frame_plan(tokens.grid_thw, tokens.frame_indices), VideoLimits(), 30
+            )
+            items.append(tokens)
+            inputs.append(adapter.preprocess_video(frames, tokens.grid_thw))
+            hashes.append(hashlib.sha256(m).hexdigest())
+        else:
+            items.append(adapter.image_tokens(m.width, m.height))
+            inputs.append(adapter.preprocess(m))
+            hashes.append(hashlib.sha256(m.tobytes() + str(m.size).encode()).hexdigest())
+    built = adapter.build_prompt(messages, items)
+    spans = [replace(s, mm_hash=hashes[i]) for s, i in zip(built.spans, span_items(built.spans), strict=True)]
+    tensors = adapter.encode(model, inputs)
+    return Prompt(messages, [], built.token_ids, spans, dict(zip(hashes, tensors, strict=True))), media
+
+
+@pytest.fixture(scope="module")
+def video_workload(qwen3_loaded: tuple[Any, Any], tiny_qwen3_vl_dir: Path) -> list[tuple[Prompt, int, list[int]]]:
+    adapter, model = qwen3_loaded
+    clip = media_factory.video(64, 48, seconds=1.5, fps=8, seed=11)
+    other = media_factory.video(97, 61, seconds=2.0, fps=15, seed=12)
+    parts: list[list[Any]] = [
+        [clip, "what happens in the video?"],
+        [clip, "what happens, briefly?"],  # shares the video prefix with the one above
+        [image(56, 56, 2), "first this picture, then", other, "which moves more?"],
+        ["before the video " + LONG, other, "and after it"],
+        [clip, "twice", clip],
+        ["count to ten"],
+    ]
+    out = []
+    for i, p in enumerate(parts):
+        prompt, media = _video_prompt(adapter, model, p)
+        max_tokens = 6 + (i * 5) % 13
+        out.append((prompt, max_tokens, hf_generate_media(tiny_qwen3_vl_dir, prompt.messages, media, max_tokens)))
+    spans = [s for prompt, _, _ in out for s in prompt.media if s.modality == "video"]
+    assert max(s.item_row for s in spans) > 0 and max(s.num_tokens for s in spans) > 16  # groups split at budget 16
+    return out
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["cache", "nocache"])
+@pytest.mark.parametrize("budget", [16, 64, 512])
+def test_video_requests_equal_generate(
+    qwen3_loaded: tuple[Any, Any], video_workload: list[tuple[Prompt, int, list[int]]], budget: int, caching: bool
+) -> None:
+    adapter, model = qwen3_loaded
+    engine = Engine(adapter, model, backend_config("sdpa", budget, caching))
+    results = run_workload(engine, video_workload)
+    if caching:  # requests 0 and 1 share the video's blocks
+        assert any(r.cached_tokens > 0 for r in results.values())
+
+
+@pytest.mark.parametrize("backend", ["kernel", "flashref256-graphs"])
+def test_video_requests_equal_generate_on_other_backends(
+    qwen3_loaded: tuple[Any, Any], video_workload: list[tuple[Prompt, int, list[int]]], backend: str
+) -> None:
+    adapter, model = qwen3_loaded
+    run_workload(Engine(adapter, model, backend_config(backend, 64, True)), video_workload)
