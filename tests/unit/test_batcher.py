@@ -234,8 +234,11 @@ def test_a_long_video_does_not_starve_an_image() -> None:
     assert torch.equal(embedding[:, 0], torch.arange(12 * 16, dtype=torch.float32))  # every row, in order
 
 
-def test_a_video_split_across_calls_equals_it_whole(tiny_model_dir: Path, tiny_model_dir_25: Path) -> None:
-    """The towers attend within a temporal patch: chunks of patches give the whole video's rows."""
+def test_a_video_split_across_calls_equals_it_whole(
+    tiny_model_dir: Path, tiny_model_dir_25: Path, tiny_qwen3_vl_dir: Path
+) -> None:
+    """The towers attend within a temporal patch (Qwen3-VL's also interpolates its position grid per patch): chunks of
+    patches give the whole video's rows (Qwen3-VL's with their DeepStack levels)."""
     from services.common.media_types import VideoLimits
     from services.common.model_info import load_model_info
     from services.common.video import probe_video
@@ -246,7 +249,7 @@ def test_a_video_split_across_calls_equals_it_whole(tiny_model_dir: Path, tiny_m
 
     data = media_factory.video(97, 61, seconds=4, fps=10, seed=7)
     header = probe_video(data, VideoLimits())
-    for folder in (tiny_model_dir, tiny_model_dir_25):
+    for folder in (tiny_model_dir, tiny_model_dir_25, tiny_qwen3_vl_dir):
         adapter = load_model_info(folder).adapter
         runner = VisionRunner(adapter, adapter.load_model())
         tokens = adapter.video_tokens(header.width, header.height, header.frames, header.fps)
@@ -263,5 +266,5 @@ def test_a_video_split_across_calls_equals_it_whole(tiny_model_dir: Path, tiny_m
             await batcher.close()
             return embedding.host()
 
-        assert tokens.grid_thw[0] == 4
+        assert tokens.grid_thw[0] == 4 and whole.shape[1] == adapter.embedding_width
         assert (run(split()) - whole).abs().max().item() <= 1e-5
