@@ -8,9 +8,10 @@ turns them into a `VideoFramePlan`, checked against the grid, and the pool child
 Batching decision: a long video is split across tower calls rather than given the budget. Each chunk holds
 whole temporal patches and at most half of the batcher's token budget (at least one patch), and the next
 chunk is queued only once the previous one is done, so images arriving meanwhile ride in the same calls
-(FIFO) and wait for at most one chunk, never for the whole video. Exact: the Qwen2-VL towers attend within
-one temporal patch (their attention sequences are per patch), so a chunk's rows equal the same rows of the
-whole video encoded at once (tested).
+(FIFO) and wait for at most one chunk, never for the whole video. Exact: the Qwen2-VL and Qwen3-VL towers attend
+within one temporal patch (their attention sequences are per patch; Qwen3-VL's position grid is interpolated per
+patch), so a chunk's rows equal the same rows of the whole video encoded at once (tested, DeepStack levels
+included).
 """
 
 from __future__ import annotations

@@ -9,9 +9,8 @@ entry holding every level, with the same answer; an entry a Qwen2-VL model of th
 same bytes is never read; a video alone and beside an image (its frame groups between timestamps) equals
 `generate` given the model's own video preprocessing, CountTokens equals the processor's count of a stored video
 including the timestamps, and a repeated video is served from the cache; and when a worker is killed mid-stream
-under 8 image requests every
-request completes on the other, re-prefilled with its image's levels from the cache, token for token as before
-(the module's last test: the killed worker stays down)."""
+under 8 image requests every request completes on the other, re-prefilled with its image's levels from the cache,
+token for token as before (the module's last test: the killed worker stays down)."""
 
 from __future__ import annotations
 
