@@ -166,17 +166,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if direction == KV_SEND:  # open before admitting: the first step's chunks may follow at once
             stub = worker_pb2_grpc.WorkerStub(self._dialer.channel(request.kv_transfer.peer))
             pusher = self._pushers[request.request_id] = KVPusher(stub, self._config.kv_transfer_timeout_s)
+        skip_blocks = 0
         try:
             admitted_at = await self._admit(request, context, outputs)
-        except BaseException:
+            if direction == KV_RECEIVE:
+                rid = request.request_id
+                skip_blocks = await asyncio.wrap_future(self._host.submit(lambda e: e.kv_connector.skip_blocks(rid)))
+        except BaseException as exc:
             if pusher is not None:
                 self._pushers.pop(request.request_id, None)
                 pusher.cancel()
+            if isinstance(exc, asyncio.CancelledError):  # the caller left mid-admission: the engine may hold it
+                self._host.abort(request.request_id)
             raise
-        skip_blocks = 0
-        if direction == KV_RECEIVE:
-            rid = request.request_id
-            skip_blocks = await asyncio.wrap_future(self._host.submit(lambda e: e.kv_connector.skip_blocks(rid)))
         admitted_from = time.perf_counter()
         stages.mark("worker.queue", {"epd.prompt_tokens": len(request.token_ids), "epd.items": len(request.media)})
         self._streams[request.request_id] = outputs

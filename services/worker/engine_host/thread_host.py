@@ -94,10 +94,14 @@ class EngineLoop:
         return self.submit(abort)
 
     def submit(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
-        """Run `fn(engine)` on the engine thread; the future holds its result or exception."""
+        """Run `fn(engine)` on the engine thread; the future holds its result or exception. A future its caller
+        cancelled before the command ran (e.g. a cancelled gRPC call awaiting it through `asyncio.wrap_future`)
+        runs nothing; once running it cannot be cancelled, so its result is always settable."""
         future: concurrent.futures.Future = concurrent.futures.Future()
 
         def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return  # cancelled while queued: nothing done, nothing to report
             try:
                 future.set_result(fn(self._engine))
             except Exception as exc:  # handed to the caller, not the loop
