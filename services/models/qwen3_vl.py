@@ -94,29 +94,26 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
         pad = self.tokenizer.convert_ids_to_tokens(self.video_token_id)
         start = self.tokenizer.convert_ids_to_tokens(self.vision_start_token_id)
         end = self.tokenizer.convert_ids_to_tokens(self.vision_end_token_id)
-        pieces = text.split(pad)
+        pieces = text.split(pad)  # the text around each video's one placeholder, in order
         videos = [item for item in items if item.modality == "video"]
         if len(pieces) != len(videos) + 1:
             raise PromptError(f"the chat template wrote {len(pieces) - 1} video placeholders for {len(videos)} videos")
-        groups: list[ItemTokens] = []  # one per frame group, in prompt order, with its item row
-        rows: list[int] = []
         expanded = [pieces[0]]
+        for video, after in zip(videos, pieces[1:], strict=True):
+            if len(getattr(video, "timestamps", ())) != video.grid_thw[0]:
+                raise PromptError(f"a video of {video.grid_thw[0]} temporal patches came without a timestamp each")
+            expanded += [qwen3_vl_video.video_text(video.timestamps, start, pad, end), after]  # type: ignore[attr-defined]
+        groups: list[ItemTokens] = []  # one per placeholder in the expanded text: images, and videos' frame groups
+        rows: list[int] = []  # each one's first row in its item's embedding
         for item in items:
             if item.modality != "video":
                 groups.append(item)
                 rows.append(0)
                 continue
-            video = item
-            t, h, w = video.grid_thw
-            per_group = video.num_tokens // t
-            stamps = getattr(video, "timestamps", ())
-            if len(stamps) != t:
-                raise PromptError(f"a video of {t} temporal patches came with {len(stamps)} timestamps")
-            expanded.append(qwen3_vl_video.video_text(stamps, start, pad, end))
-            expanded.append(pieces[len(expanded) // 2])  # the text after this video's placeholder
-            for k in range(t):
-                groups.append(replace(video, num_tokens=per_group, grid_thw=(1, h, w)))
-                rows.append(k * per_group)
+            t, h, w = item.grid_thw
+            per_group = item.num_tokens // t
+            groups += [replace(item, num_tokens=per_group, grid_thw=(1, h, w))] * t
+            rows += [k * per_group for k in range(t)]
         ids = self.tokenizer.backend_tokenizer.encode("".join(expanded), add_special_tokens=False).ids
         placeholders = {"image": self.image_token_id, "video": self.video_token_id}
         built = expand_media_placeholders(ids, placeholders, groups)
