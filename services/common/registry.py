@@ -72,22 +72,32 @@ class Registry:
 
     def members(self, role: str, revision: str | None = None) -> list[Member] | None:
         """Live members of `role` (matching `revision` when given); None when Redis cannot answer."""
+        found = self.members_of((role,), revision)
+        return None if found is None else found[role]
+
+    def members_of(self, roles: tuple[str, ...], revision: str | None = None) -> dict[str, list[Member]] | None:
+        """`members` of each of `roles`, read in two round trips whatever their number (a router reads four roles
+        ten times a second); None when Redis cannot answer."""
         now = time.time()
         try:
-            self._redis.zremrangebyscore(f"{PREFIX}:{role}", "-inf", now)
-            addresses = [a.decode() for a in self._redis.zrangebyscore(f"{PREFIX}:{role}", now, "+inf")]
-            bodies = self._redis.mget([self._key(role, a) for a in addresses]) if addresses else []
+            pipe = self._redis.pipeline(transaction=False)
+            for role in roles:
+                pipe.zremrangebyscore(f"{PREFIX}:{role}", "-inf", now)
+                pipe.zrangebyscore(f"{PREFIX}:{role}", now, "+inf")
+            found = pipe.execute()[1::2]
+            keyed = [(role, a.decode()) for role, addresses in zip(roles, found, strict=True) for a in addresses]
+            bodies = self._redis.mget([self._key(role, a) for role, a in keyed]) if keyed else []
         except (redis.RedisError, OSError) as exc:
             log.debug("registry read failed: %s", exc)
             return None
-        out = []
-        for address, body in zip(addresses, bodies, strict=True):
+        out: dict[str, list[Member]] = {role: [] for role in roles}
+        for (role, address), body in zip(keyed, bodies, strict=True):
             if body is None:
                 continue
             data = json.loads(body)
             if revision is not None and data["revision"] != revision:
                 continue
-            out.append(Member(role, address, data["revision"], data["state"], data["published_at"]))
+            out[role].append(Member(role, address, data["revision"], data["state"], data["published_at"]))
         return out
 
     def close(self) -> None:

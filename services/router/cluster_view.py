@@ -134,10 +134,9 @@ class ClusterView:
                 log.exception("cluster view refresh failed")
 
     async def refresh(self) -> None:
-        workers = await asyncio.to_thread(self._registry.members, "worker", self._revision)
-        encoders = await asyncio.to_thread(self._registry.members, "encoder", self._revision)
-        draining = await asyncio.to_thread(self._registry.members, draining_role("worker"), self._revision)
-        prefill = await asyncio.to_thread(self._registry.members, "prefill", self._revision)
+        roles = ("worker", "encoder", draining_role("worker"), "prefill")
+        found = await asyncio.to_thread(self._registry.members_of, roles, self._revision)  # one thread hop
+        workers, encoders, draining, prefill = (None,) * 4 if found is None else (found[role] for role in roles)
         self._note_absences(workers, draining)
         if workers is not None:
             self._workers = workers

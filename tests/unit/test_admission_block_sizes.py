@@ -15,6 +15,7 @@ from services.router.admission import Admission, AdmissionSettings, Rejection, R
 from services.router.cluster_view import ClusterView, WorkerView
 from services.router.placement import PrefixAffinity, prefill_tokens, rank_workers
 from services.router.request_blocks import RequestBlocks
+from tests.static_registry import StaticRegistry
 
 PROMPT_IDS = list(range(1000, 1280))  # 280 prompt tokens: 17 blocks of 16, 1 of 256
 MAX_TOKENS = 20  # projected 300 tokens: 19 blocks of 16, 2 of 256
@@ -44,7 +45,7 @@ def _view(address: str, block_size: int, capacity: int, reserved: int = 0, waiti
     )
 
 
-class _Registry:
+class _Registry(StaticRegistry):
     """Registry.members from fixed worker states; their snapshots predate every admission."""
 
     def __init__(self, workers: list[WorkerView]) -> None:
@@ -231,7 +232,7 @@ def test_router_and_a_worker_without_prefix_caching_agree_on_n_choices() -> None
         "enable_prefix_caching": False,
     }
 
-    class Published:
+    class Published(StaticRegistry):
         def members(self, role: str, revision: str | None = None) -> list[Member]:
             return [Member("worker", "w", "r", state, 0.0)] if role == "worker" else []
 

@@ -21,6 +21,7 @@ from services.router.cluster_view import ClusterView
 from services.router.encode_dispatch import EncodeDispatcher, media_sources
 from services.router.errors import RequestError
 from tests.redis_server import RedisServer
+from tests.static_registry import StaticRegistry
 
 
 class BusyEncoder(encoder_pb2_grpc.EncoderServicer):
@@ -103,7 +104,7 @@ def test_every_encoder_past_its_budget_refuses_before_any_call(cache: EmbeddingC
 
     states = {"e1": {"queued_tokens": 0, "over_budget_ms": 800}, "e2": {"queued_tokens": 0, "over_budget_ms": 300}}
 
-    class Published:
+    class Published(StaticRegistry):
         def members(self, role: str, revision: str | None = None) -> list[Member]:
             return [Member("encoder", a, "r", s, 0.0) for a, s in states.items()] if role == "encoder" else []
 
@@ -131,7 +132,7 @@ def test_the_router_counts_what_it_booked_since_the_encoders_heartbeat() -> None
 
     published = {"at": 1.0, "state": {"queued_items": 0, "item_ms": 100.0, "budget_ms": 1000, "over_budget_ms": 0}}
 
-    class Published:
+    class Published(StaticRegistry):
         def members(self, role: str, revision: str | None = None) -> list[Member]:
             if role != "encoder":
                 return []
@@ -179,7 +180,7 @@ def test_a_request_with_unknown_images_is_refused_before_it_is_prepared() -> Non
 
     state = {"queued_items": 250, "item_ms": 100.0, "budget_ms": 20_000, "over_budget_ms": 5_000, "at": 1.0}
 
-    class Published:
+    class Published(StaticRegistry):
         def members(self, role: str, revision: str | None = None) -> list[Member]:
             return [Member("encoder", "e1", "r", dict(state), state["at"])] if role == "encoder" else []
 

@@ -58,3 +58,30 @@ def test_start_reports_a_failed_first_publish_and_keeps_trying() -> None:
         return published, running
 
     assert asyncio.run(scenario()) == (False, True)
+
+
+def test_members_of_reads_each_role_as_members_does(redis_server: RedisServer) -> None:
+    """Several roles in one read: each role's live members of the revision asked, an expired one dropped, a role
+    with none empty; the same as asking role by role."""
+    import time
+
+    registry = Registry(redis_server.url, ttl_s=5.0)
+    try:
+        registry.publish("worker", "w1", "rev", {"n": 1})
+        registry.publish("worker", "w2", "other", {"n": 2})
+        registry.publish("encoder", "e1", "rev", {"n": 3})
+        short = Registry(redis_server.url, ttl_s=0.05)
+        short.publish("encoder", "e-gone", "rev", {})
+        short.close()
+        time.sleep(0.2)
+        found = registry.members_of(("worker", "encoder", "prefill"), "rev")
+        assert found is not None
+        assert {role: [m.address for m in ms] for role, ms in found.items()} == {
+            "worker": ["w1"],
+            "encoder": ["e1"],
+            "prefill": [],
+        }
+        assert found["encoder"][0].state == {"n": 3}
+        assert found == {role: registry.members(role, "rev") for role in ("worker", "encoder", "prefill")}
+    finally:
+        registry.close()
