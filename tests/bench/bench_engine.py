@@ -10,10 +10,13 @@ CPU-second of each (`cpu_ratio`), the engine's decode step at `--max-num-seqs` s
 of the same batch (tests/bench/step_overhead.py: `overhead_ratio`, `overhead_cpu_ratio`), then one JSON line with
 `tokens_per_s`, `baseline_tokens_per_s`, `ratio` and those.
 
-With `--structured` the engine runs the workload twice in the same run, without a constraint and with a
-JSON-schema constraint on every request (`STRUCTURED_SCHEMA`: at least 64 objects of a name and a flag, so
-every request still makes exactly its tokens), and prints both, then one JSON line with
-`structured_tokens_per_s`, `tokens_per_s` and `structured_ratio` (constrained / unconstrained).
+With `--structured` the engine runs the workload without a constraint and with a JSON-schema constraint on
+every request (`STRUCTURED_SCHEMA`: at least 64 objects of a name and a flag, so every request still makes
+exactly its tokens), alternating, `--repeats` times each, and prints both, then one JSON line with
+`structured_tokens_per_s`, `tokens_per_s` and `structured_ratio` (constrained / unconstrained, wall clock),
+and the same ratio per CPU-second of the engine thread (`structured_thread_cpu_ratio`: what gates a step when
+a core is free for the grammar thread) and of the whole process (`structured_cpu_ratio`: the grammar thread's
+work counted too), with the load average: on a box busy with other work the wall clock counts waits for a core.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -313,9 +317,14 @@ def run_structured(
     gc.collect()
     gc.freeze()
     plain, constrained = [], []
+    cpu: dict[str, list[float]] = {"free_thread": [], "free_process": [], "schema_thread": [], "schema_process": []}
     for _ in range(args.repeats):
-        plain.append(summarize(run_engine(adapter, model, requests, config, args.colocated)))
-        constrained.append(summarize(run_engine(adapter, model, requests, config, args.colocated, constraint)))
+        for side, runs, given in (("free", plain, None), ("schema", constrained, constraint)):
+            thread, process = time.thread_time(), time.process_time()
+            runs.append(summarize(run_engine(adapter, model, requests, config, args.colocated, given)))
+            cpu[f"{side}_thread"].append(runs[-1].output_tokens / (time.thread_time() - thread))
+            cpu[f"{side}_process"].append(runs[-1].output_tokens / (time.process_time() - process))
+    per_cpu = {key: statistics.median(values) for key, values in cpu.items()}
     print(
         f"workload: {len(requests)} requests, outputs {args.min_output}-{args.max_output} tokens; the same engine "
         f"without and with a JSON-schema constraint on every request; {args.repeats} runs each, medians last"
@@ -327,11 +336,23 @@ def run_structured(
     print(line("free", free))
     print(line("schema", schema))
     assert free.output_tokens == schema.output_tokens, "the constraint ended requests early"
+    thread_ratio = per_cpu["schema_thread"] / per_cpu["free_thread"]
+    cpu_ratio = per_cpu["schema_process"] / per_cpu["free_process"]
+    load = os.getloadavg()
+    print(
+        f"tokens per CPU-second, free -> schema: engine thread {per_cpu['free_thread']:.1f} -> "
+        f"{per_cpu['schema_thread']:.1f} (ratio {thread_ratio:.3f}), process {per_cpu['free_process']:.1f} -> "
+        f"{per_cpu['schema_process']:.1f} (ratio {cpu_ratio:.3f}); wall ratio "
+        f"{schema.tokens_per_s / free.tokens_per_s:.3f}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+    )
     result = {
         **asdict(free),
         **{f"structured_{k}": v for k, v in asdict(schema).items()},
         "structured_ratio": schema.tokens_per_s / free.tokens_per_s,
+        "structured_thread_cpu_ratio": thread_ratio,
+        "structured_cpu_ratio": cpu_ratio,
         "requests": len(requests),
+        "load_average": [round(x, 2) for x in load],
     }
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
     return result

@@ -245,6 +245,45 @@ def test_a_step_mask_in_any_row_order_masks_as_xgrammar_and_its_verdicts_follow_
     structured.close()
 
 
+def test_the_fill_queued_with_the_accepts_serves_a_step_with_fewer_rows_and_one_with_more_fills_anew(
+    loaded: tuple[Any, Any], compiler: Any
+) -> None:
+    """The accepts queue the same rows' next fill: a step that lost a row without a verdict (its max_tokens)
+    uses it, mapped, and queues nothing; a step with a row it lacks (a new request) queues its own fill. Each
+    step's masked logits equal xgrammar's kernel applied with a fresh matcher's bitmask fed the same tokens."""
+    adapter, model = loaded
+    vocab = model.get_output_embeddings().out_features
+    structured = StructuredOutputs(adapter.tokenizer, vocab, frozenset(adapter.eos_token_ids), 8, 1 << 30, 10.0,
+                                   torch.device("cpu"))  # fmt: skip
+    kinds = ["nested", "regex", "string"]
+    states = [structured.state(CONSTRAINTS[name]) for name in kinds]
+    for state in states:
+        while not state.ready:
+            assert state.start([]) is None
+    references = [xgr.GrammarMatcher(compiler.compile_grammar(grammar_of(CONSTRAINTS[name]))) for name in kinds]
+    io = HostDevice(torch.device("cpu"))
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1))
+    a, b, c = states
+    for step, queued in ([a, b, None], True), ([None, b, None], False), ([None, b, c], True):
+        before = structured._pending
+        structured.prefetch([s for s in step if s is not None])
+        assert (structured._pending is not before) == queued
+        mask = structured.step_mask(step)
+        assert mask is not None
+        expected = logits.clone()
+        bitmask = xgr.allocate_token_bitmask(len(step), vocab)
+        for row, state in zip(mask.rows, mask.states, strict=True):
+            references[states.index(state)].fill_next_token_bitmask(bitmask, row)
+        xgr.apply_token_bitmask_inplace(expected, bitmask, indices=mask.rows)
+        masked = mask.apply(logits, io)
+        assert torch.equal(masked, expected)
+        tokens = masked.argmax(dim=-1).tolist()
+        assert structured.accept(mask, tokens) == {}  # allowed, and no grammar complete yet
+        for row, state in zip(mask.rows, mask.states, strict=True):
+            assert references[states.index(state)].accept_token(tokens[row])
+    structured.close()
+
+
 def test_jobs_the_grammar_thread_has_not_started_are_taken_back_and_none_runs_twice(loaded: tuple[Any, Any]) -> None:
     """With the grammar thread busy, a step that needs its queued accepts and fill takes them back: the accept
     runs on the caller's thread, in order, the fill is dropped (the caller fills), and the thread, free again,

@@ -4,26 +4,29 @@ engine thread, and each step's token bitmask applied to the logits on their devi
 Invariants: a constrained sequence is not scheduled until its grammar is compiled (``GrammarState.ready``);
 its matcher has then accepted every token it generated, those of a previous worker included (a migrated
 request's ``generated_tokens``), before its next bitmask is filled, so the engine's tokens and the matcher
-never disagree. The matchers' per-step work runs on one grammar thread, in order: each step's accepts are
-queued after its sampling, and the next step's bitmask fill (one call into xgrammar for all its constrained
-sampling rows) is queued before its forward pass and runs beside it; the step waits for it only after the
-model ran. A sampled token is checked against the host bitmask its row was masked with (the matcher allows
-exactly the tokens whose bit is set), so a token outside the grammar ends its choice before it is kept, and a
-stop token ends it complete. The mask goes on in a copy (the raw logits stay as they were: logprobs read
-them): on the CPU as an additive bias of 0 / -inf built on the grammar thread, on other devices by xgrammar's
-kernel after one upload. Rows without a constraint are not touched, and a step without any costs nothing here.
+never disagree. The matchers' per-step work runs on one grammar thread, in order: each step's accepts (one
+call into xgrammar) are queued after its sampling together with the fill of the next step's bitmask for the
+same rows (one call for all of them), which so runs beside the engine's output handling, scheduling and next
+forward pass; the step waits for it only after the model ran. A next step whose constrained rows are not all
+among those filled queues its own fill before its forward. A sampled token is checked against the host
+bitmask its row was masked with (the matcher allows exactly the tokens whose bit is set), so a token outside
+the grammar ends its choice before it is kept, and a stop token ends it complete. The mask goes on in a copy
+(the raw logits stay as they were: logprobs read them): on the CPU as an additive bias of 0 / -inf built on
+the grammar thread, on other devices by xgrammar's kernel after one upload. Rows without a constraint are not
+touched, and a step without any costs nothing here.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
-import numpy
 import torch
 
 from services.common.grammar import Constraint
@@ -73,10 +76,18 @@ class GrammarState:
         return None
 
 
+def bit_rows(bitmask: torch.Tensor) -> list[int]:
+    """Each row of ``bitmask [k, words]`` (int32, little-endian) as one Python int whose bit ``j`` is token ``j``:
+    a token's check is then one shift, with no numpy call on the engine thread."""
+    data, width = bitmask.numpy().tobytes(), bitmask.shape[1] * 4
+    return [int.from_bytes(data[i : i + width], "little") for i in range(0, len(data), width)]
+
+
 class StepMask:
     """One step's grammar mask. ``rows``: the step's sampling rows that are constrained; ``bitmask [k, words]``
     (int32, host; bit ``j % 32`` of word ``j // 32`` is token ``j``) holds row ``rows[i]``'s mask in row
-    ``source[i]``, and ``bias [k, vocab]`` (CPU only: 0 or -inf) the same rows as floats."""
+    ``source[i]``, ``bits`` the same rows as ints (``bit_rows``; made here when not given), and ``bias [k,
+    vocab]`` (CPU only: 0 or -inf) the same rows as floats."""
 
     def __init__(
         self,
@@ -86,6 +97,7 @@ class StepMask:
         bitmask: torch.Tensor,
         bias: torch.Tensor | None,
         stop_ids: list[int],
+        bits: list[int] | None = None,
     ) -> None:
         self.rows = rows
         self.states = states
@@ -93,19 +105,17 @@ class StepMask:
         self.bitmask = bitmask
         self.bias = bias
         self.stop_ids = stop_ids
-        self._words = bitmask.numpy().view(numpy.uint32)
+        self.bits = bit_rows(bitmask) if bits is None else bits
 
     def apply(self, logits: torch.Tensor, io: HostDevice) -> torch.Tensor:
         """A float32 copy of ``logits [N, vocab]`` with the tokens each constrained row's grammar does not allow
         at -inf; no host read."""
         if self.bias is not None:  # the CPU: one add (or a copy and an index_add) in place of a bit kernel
-            if self.rows == self.source == list(range(logits.shape[0])):
+            n = logits.shape[0]
+            if self.bias.shape[0] == n and self.rows == self.source == list(range(n)):
                 return logits + self.bias
-            target = [0] * len(self.rows)
-            for row, src in zip(self.rows, self.source, strict=True):
-                target[src] = row
-            out = logits.to(torch.float32, copy=True)
-            return out.index_add_(0, torch.tensor(target), self.bias)
+            out = logits.to(torch.float32, copy=True)  # some rows free, reordered, or a fill of more rows
+            return out.index_add_(0, torch.tensor(self.rows), self.bias[self.source])
         import xgrammar as xgr
 
         if self.source == self.rows:  # bitmask row r is step row r
@@ -120,19 +130,11 @@ class StepMask:
 
     def allows(self, i: int, token: int) -> bool:
         """Whether the grammar of ``rows[i]`` allows ``token`` now."""
-        return bool((int(self._words[self.source[i], token >> 5]) >> (token & 31)) & 1)
-
-    def allowed(self, tokens: list[int]) -> list[bool]:
-        """``allows(i, tokens[i])`` for every constrained row ``i``, in one lookup."""
-        ids = numpy.asarray(tokens, dtype=numpy.int64)
-        return ((self._words[self.source, ids >> 5] >> (ids & 31)) & 1).astype(bool).tolist()
+        return bool(self.bits[self.source[i]] >> token & 1)
 
     def only_stop_allowed(self, i: int) -> bool:
         """True when row ``rows[i]``'s grammar allows no token but the stop tokens (the grammar is complete)."""
-        words = self._words[self.source[i]].copy()
-        for token in self.stop_ids:
-            words[token // 32] &= ~numpy.uint32(1 << (token % 32))
-        return not words.any()
+        return not self.bits[self.source[i]] & ~sum(1 << token for token in self.stop_ids)
 
 
 class StructuredOutputs:
@@ -158,9 +160,11 @@ class StructuredOutputs:
         self._on_cpu = device.type == "cpu"
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher: fills a step's rows in one call
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
-        self._jobs: collections.deque[tuple[concurrent.futures.Future, Any, tuple]] = collections.deque()  # in order
-        # (a fill's job is None: one taken back is redone by whoever wants it, or dropped)
+        # in order: each job's future and what to run when it is taken back (None: nothing; a fill taken back
+        # is redone by whoever wants it, or dropped)
+        self._jobs: collections.deque[tuple[concurrent.futures.Future, Callable[[], Any] | None]] = collections.deque()
         self._pending: tuple[list[GrammarState], concurrent.futures.Future] | None = None  # the next step's fill
+        self.refusals = 0  # tokens a matcher refused on the grammar thread (never, while the masks are right)
         self._bitmask = torch.empty(0, 0, dtype=torch.int32)  # reused host buffers, grown to the rows a step needs
         self._bias = torch.empty(0, 8)
         self.fills_beside = 0  # prefetched fills the grammar thread ran (beside the forward)
@@ -176,9 +180,15 @@ class StructuredOutputs:
 
     def prefetch(self, states: list[GrammarState]) -> None:
         """Queue the fill of ``states``' bitmask rows on the grammar thread: the constrained sequences that sample
-        in the step about to run (any order), before its forward pass, which the fill then runs beside."""
-        if states:
-            self._pending = (states, self._submit(self._fill, states, redo=False))
+        in the step about to run (any order), before its forward pass, which the fill then runs beside; nothing
+        when the fill queued with the last accepts covers them all."""
+        if not states:
+            return
+        if self._pending is not None:
+            filled = {id(state) for state in self._pending[0]}
+            if all(id(state) in filled for state in states):
+                return
+        self._pending = (states, self._submit(self._fill, states, redo=False))
 
     def step_mask(self, states: list[GrammarState | None]) -> StepMask | None:
         """The mask of a step's sampling rows (``states``: each row's grammar, None where unconstrained): the
@@ -191,36 +201,40 @@ class StructuredOutputs:
         if pending is not None and self._settle(pending[1]):
             self.fills_beside += 1
             filled, future = pending
-            bitmask, bias = future.result()
+            bitmask, bias, bits = future.result()
             if len(filled) == len(constrained) and all(a is b for a, b in zip(filled, constrained, strict=True)):
-                return StepMask(rows, constrained, list(range(len(rows))), bitmask, bias, self.stop_ids)
+                return StepMask(rows, constrained, list(range(len(rows))), bitmask, bias, self.stop_ids, bits)
             place = {id(state): j for j, state in enumerate(filled)}
             source = [place.get(id(state), -1) for state in constrained]
             if -1 not in source:
-                return StepMask(rows, constrained, source, bitmask, bias, self.stop_ids)
+                return StepMask(rows, constrained, source, bitmask, bias, self.stop_ids, bits)
         self._drain()
         self.fills_here += 1
-        bitmask, bias = self._fill(constrained)
-        return StepMask(rows, constrained, list(range(len(rows))), bitmask, bias, self.stop_ids)
+        bitmask, bias, bits = self._fill(constrained)
+        return StepMask(rows, constrained, list(range(len(rows))), bitmask, bias, self.stop_ids, bits)
 
     def accept(self, mask: StepMask, tokens: list[int]) -> dict[int, str]:
         """The verdicts on the step's sampled ``tokens`` (one per sampling row) for the rows ``mask``
         constrains: ``REFUSED`` where the grammar does not allow the token, ``STOPPED`` where it is a stop token
         (allowed only once the grammar is complete: the choice ends); the matchers of the other constrained rows
         accept their tokens on the grammar thread, before any later fill."""
+        # one plain loop: on the engine thread, between a forward and the next, each numpy call costs more than
+        # the whole check (a row's mask is one int: ``StepMask.bits``)
         verdicts: dict[int, str] = {}
-        matchers, accepted = [], []
-        picked = [tokens[row] for row in mask.rows]
-        for row, state, token, allowed in zip(mask.rows, mask.states, picked, mask.allowed(picked), strict=True):
-            if state.refused is not None or not allowed:
+        states, accepted = [], []
+        bits, stops, refusals = mask.bits, self._stops, self.refusals
+        for row, state, src in zip(mask.rows, mask.states, mask.source, strict=True):
+            token = tokens[row]
+            if not bits[src] >> token & 1 or (refusals and state.refused is not None):
                 verdicts[row] = REFUSED
-            elif token in self._stops:
+            elif token in stops:
                 verdicts[row] = STOPPED
             else:
-                matchers.append(state)
+                states.append(state)
                 accepted.append(token)
-        if matchers:
-            self._submit(_accept, matchers, accepted)
+        if states:  # accepted, then the same rows' next bitmask filled (the next step checks it covers its rows)
+            redo = functools.partial(self._accept, states, accepted)
+            self._pending = (states, self._submit(self._accept_and_fill, states, accepted, redo=redo))
         return verdicts
 
     def close(self) -> None:
@@ -230,14 +244,17 @@ class StructuredOutputs:
 
     # ----- the grammar thread's work -----
 
-    def _submit(self, job: Any, *args: Any, redo: bool = True) -> concurrent.futures.Future:
-        """Queue ``job(*args)`` on the grammar thread; ``redo``: one taken back must still run (accepts do)."""
+    def _submit(self, job: Any, *args: Any, redo: bool | Callable[[], Any] = True) -> concurrent.futures.Future:
+        """Queue ``job(*args)`` on the grammar thread. ``redo``: what must still run when it is taken back: True,
+        the job itself (accepts); False, nothing (a fill: its caller fills); or that callable (the accepts of an
+        accept-and-fill job)."""
         if self._thread is None:
             self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-step")
         while self._jobs and self._jobs[0][0].done():
             self._jobs.popleft()
         future = self._thread.submit(job, *args)
-        self._jobs.append((future, job if redo else None, args))
+        again = functools.partial(job, *args) if redo is True else (redo or None)
+        self._jobs.append((future, again))
         return future
 
     def _settle(self, wanted: concurrent.futures.Future | None = None) -> bool:
@@ -249,23 +266,41 @@ class StructuredOutputs:
         jobs = list(self._jobs)
         self._jobs.clear()
         taken = []
-        for future, job, args in reversed(jobs):
+        for future, again in reversed(jobs):
             if not future.cancel():  # running or done, and every job before it done (one thread, in order)
                 future.result()
                 break
-            taken.append((future, job, args))
-        for _, job, args in reversed(taken):
-            if job is not None:
-                job(*args)
-        return wanted is not None and all(future is not wanted for future, _, _ in taken)
+            taken.append((future, again))
+        for _, again in reversed(taken):
+            if again is not None:
+                again()
+        return wanted is not None and all(future is not wanted for future, _ in taken)
 
     def _drain(self) -> None:
         """Every job queued for the grammar thread finished (the buffers and matchers are then this thread's)."""
         self._settle()
 
-    def _fill(self, states: list[GrammarState]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``states``' bitmask rows ``[k, words]`` filled in one call and, on the CPU, their bias ``[k, vocab]``
-        (views of reused buffers: valid until the next fill)."""
+    def _accept(self, states: list[GrammarState], tokens: list[int]) -> None:
+        """Each matcher accepts its token, in one call (allowed by its mask, so it always does; one that does not
+        marks its state, and the choice ends ``REFUSED`` at its next token)."""
+        import xgrammar as xgr
+
+        accepted = xgr.BatchGrammarMatcher.batch_accept_token([s.matcher for s in states], tokens)
+        for state, token, ok in zip(states, tokens, accepted, strict=True):
+            if not ok:
+                state.refused = token
+                self.refusals += 1
+                log.error("a grammar matcher refused token %d its own bitmask allowed", token)
+
+    def _accept_and_fill(
+        self, states: list[GrammarState], tokens: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        self._accept(states, tokens)
+        return self._fill(states)
+
+    def _fill(self, states: list[GrammarState]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        """``states``' bitmask rows ``[k, words]`` filled in one call, the same as ints (``bit_rows``) and, on the
+        CPU, their bias ``[k, vocab]`` (views of reused buffers: valid until the next fill)."""
         import xgrammar as xgr
 
         if self._batch is None:
@@ -275,7 +310,7 @@ class StructuredOutputs:
             self._bitmask = torch.empty(max(rows, 2 * self._bitmask.shape[0]), words, dtype=torch.int32)
         bitmask = self._bitmask[:rows]
         self._batch.batch_fill_next_token_bitmask([s.matcher for s in states], bitmask)
-        return bitmask, self._bias_of(bitmask) if self._on_cpu else None
+        return bitmask, self._bias_of(bitmask) if self._on_cpu else None, bit_rows(bitmask)
 
     def _bias_of(self, bitmask: torch.Tensor) -> torch.Tensor:
         """``bitmask [k, words]`` as floats ``[k, vocab]``: 0 where a token's bit is set, -inf elsewhere (each
@@ -290,12 +325,3 @@ class StructuredOutputs:
         out = self._bias[: index.numel()]
         torch.index_select(self._table, 0, index.int(), out=out)
         return out.view(bitmask.shape[0], -1)[:, : self.vocab_size]
-
-
-def _accept(states: list[GrammarState], tokens: list[int]) -> None:
-    """On the grammar thread: each matcher accepts its token (allowed by its mask, so it always does; one that
-    does not marks its state, and the choice ends ``REFUSED`` at its next token)."""
-    for state, token in zip(states, tokens, strict=True):
-        if not state.matcher.accept_token(token):
-            state.refused = token
-            log.error("a grammar matcher refused token %d its own bitmask allowed", token)
