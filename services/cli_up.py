@@ -189,13 +189,22 @@ class StartFailed(UserError):
 
 def _start_failure(exc: local.ClusterStartError) -> UserError:
     process = exc.process
-    lines = [line for line in process.log_tail(20).splitlines() if line.strip()]
-    last = one_line(lines[-1], 200) if lines else "(empty)"
+    last = one_line(log_verdict(process.log_tail(20)), 200)
     fix = "pass a larger --startup-timeout, or fix" if "within" in exc.reason else "fix"
     return StartFailed(
         f"the {process.role} at {process.address} {exc.reason}; its log {process.log_path} ends: {last} "
         f"({fix} what the log says; the log folder is kept)"
     )
+
+
+def log_verdict(tail: str) -> str:
+    """The line of a service's log that says why it ended: its own last `epd: error:` line where it wrote one,
+    else its last non-blank line, "(empty)" for none. Not merely the last line: a helper process that shares the
+    log (multiprocessing's resource tracker warning of what the service left at exit) may write after the
+    service exited, so what is last when `epd up` reads depends on timing."""
+    lines = [line for line in tail.splitlines() if line.strip()]
+    verdicts = [line for line in lines if line.startswith("epd: error: ")]
+    return (verdicts or lines or ["(empty)"])[-1]
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ import pytest
 from services.cli import _parser, main
 from services.cli_errors import FAILURE, USAGE, UserError, one_line
 from services.cli_request import build_request, read_image, read_video
-from services.cli_up import port_rows
+from services.cli_up import log_verdict, port_rows
 from services.launch.local import ClusterSpec, plan_ports
 from services.launch.preflight import check_model, check_ports, port_in_use, resolve_device
 from tests import media_factory
@@ -195,6 +195,22 @@ def test_videos_go_after_the_images_and_must_be_videos(tmp_path: Path) -> None:
 def test_one_line() -> None:
     assert one_line("a\n  b\tc\n") == "a b c"
     assert len(one_line("x" * 1000, 50)) == 50
+
+
+def test_the_reason_a_service_ended_is_its_own_error_line_not_a_helpers_later_warning() -> None:
+    """A tensor-parallel worker's log as `epd up` may read it: the worker's `epd: error:` line, then (written by
+    multiprocessing's resource tracker after the worker exited, so present or not depending on timing) a leak
+    warning. Either way the failure names the worker's error; a log without such a line gives its last line."""
+    error = "epd: error: `epd serve` failed unexpectedly: RankStartError: tensor-parallel rank 1 did not report loaded"
+    tracker = (
+        "/usr/lib/python3.11/multiprocessing/resource_tracker.py:254: UserWarning: resource_tracker: There appear "
+        "to be 1 leaked semaphore objects to clean up at shutdown\n  warnings.warn('resource_tracker: There appear'"
+    )
+    traceback = "Traceback (most recent call last):\n  File x\nRankStartError: tensor-parallel rank 1 did not report"
+    assert log_verdict(f"{traceback}\n{error}\n") == error
+    assert log_verdict(f"{traceback}\n{error}\n{tracker}\n\n") == error
+    assert log_verdict("starting\nValueError: no such model\n\n") == "ValueError: no such model"
+    assert log_verdict("\n") == "(empty)"
 
 
 def test_the_cli_loads_without_torch() -> None:
