@@ -79,7 +79,10 @@ class Detokenizer:
             return TextDelta("", True)
         self._tokens.extend(token_ids)
         self._advance(token_ids)
-        longest = max((len(s) for s in self.stop), default=0)
+        if not self.stop:  # the common case: everything decoded is final
+            delta, self._emitted = self._text[self._emitted :], len(self._text)
+            return TextDelta(delta, False)
+        longest = max(len(s) for s in self.stop)
         start = max(0, self._searched - longest + 1)
         for stop in self.stop:
             at = self._text.find(stop, start) if stop else -1

@@ -54,3 +54,25 @@ def test_each_service_serves_only_its_own_metrics() -> None:
     assert "epd_only_a_total" in texts[0] and "epd_only_b" not in texts[0]
     assert "epd_only_b_total" in texts[1] and "epd_only_a" not in texts[1]
     assert "process_resident_memory_bytes" in texts[0]
+
+
+def test_a_fast_histogram_exports_what_an_otel_histogram_of_its_name_does() -> None:
+    """The per-token kind (services/common/fast_histogram.py): same buckets by name, same samples and labels, for
+    values on, between, below and above the bounds."""
+    telemetry = Telemetry("router", model_name="m")
+    try:
+        otel = telemetry.meter.create_histogram("epd_a_latency_seconds", unit="s", description="d")
+        fast = telemetry.fast_histogram("epd_b_latency_seconds", "d")
+        for value in (0.0005, 0.001, 0.0011, 0.02, 0.3, 120.0, 500.0):
+            otel.record(value)
+            fast.record(value)
+        text = generate_latest(telemetry.registry).decode()
+    finally:
+        telemetry.shutdown()
+
+    def family(prefix: str) -> list[str]:
+        return [line.replace(prefix, "X") for line in text.splitlines() if prefix in line]
+
+    assert family("epd_a_") == family("epd_b_")
+    assert bounds(text, "epd_b_latency_seconds") == list(SECONDS_BUCKETS)
+    assert 'epd_b_latency_seconds_count{model_name="m"} 7.0' in text
