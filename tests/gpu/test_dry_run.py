@@ -1,21 +1,33 @@
 """`tests/gpu/run.sh --dry-run`: the GPU check's own code on the CPU, so it cannot rot between GPU loans.
 
 The GPU machines have torch, transformers and numpy only: every section must also run with Pillow, gRPC, Redis
-and OpenTelemetry unimportable.
+and OpenTelemetry unimportable. One run proves both: run.sh runs each section in a process of its own, and a
+``sitecustomize`` on the path makes those modules unimportable in each section's process (the tensor-parallel
+section keeps Pillow: its ranks load the model folder as a worker does, and its image processor needs it; on a
+machine without it the section says so and is skipped), writing down each section it blocked them in.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
-import sys
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCKED = ("PIL", "grpc", "redis", "opentelemetry")
 SECTIONS = ("env", "kernel", "exactness", "structured", "decode", "vision", "tensor_parallel")
+SITECUSTOMIZE = f"""
+import os, sys
+
+if "--section" in sys.argv:  # a section's process (not run.sh's driver, nor a rank it spawns)
+    section = sys.argv[sys.argv.index("--section") + 1]
+    blocked = [b for b in {BLOCKED!r} if not (section == "tensor_parallel" and b == "PIL")]
+    for name in blocked:
+        sys.modules[name] = None  # import fails, as on a GPU machine without them
+    with open(os.environ["EPD_DRY_RUN_BLOCKED_LOG"], "a") as log:
+        log.write(section + " " + ",".join(blocked) + "\\n")
+"""
 
 
 def _last_json(output: str) -> dict:
@@ -62,29 +74,20 @@ def _check(name: str, section: dict) -> None:
         assert section["tower_ms"] > 0 and section["staging_ms"] >= 0
 
 
-def test_run_sh_dry_run_prints_the_json_line() -> None:
+def test_run_sh_dry_run_prints_the_json_line_with_each_section_on_torch_and_transformers_only(tmp_path: Path) -> None:
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    log = tmp_path / "blocked.log"
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "EPD_DRY_RUN_BLOCKED_LOG": str(log)}
     done = subprocess.run(["bash", str(ROOT / "tests/gpu/run.sh"), "--dry-run"], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)  # fmt: skip
+                          timeout=450, cwd=ROOT, env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     report = _last_json(done.stdout)
     assert report["dry_run"] is True and report["seconds"] > 0  # its time is printed, not judged: a loaded box is slow
     for name in SECTIONS:
         _check(name, report[name])
     assert len(done.stderr.strip().splitlines()) >= len(SECTIONS)  # progress: a line per section as it ends
-
-
-@pytest.mark.parametrize("name", SECTIONS)
-def test_each_section_needs_only_torch_and_transformers(name: str) -> None:
-    # tensor-parallel ranks load the model folder as a worker does, and its image processor needs Pillow (on a
-    # machine without it the section says so and is skipped): here it runs with Pillow, the rest still blocked
-    blocked = tuple(b for b in BLOCKED if not (name == "tensor_parallel" and b == "PIL"))
-    code = (
-        "import runpy, sys\n"
-        f"for blocked in {blocked!r}:\n"
-        "    sys.modules[blocked] = None  # import fails, as on a GPU machine without them\n"
-        f"sys.argv = ['gpu_check', '--section', {name!r}, '--dry-run']\n"
-        "runpy.run_module('tests.gpu.gpu_check', run_name='__main__')\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    _check(name, _last_json(done.stdout))
+    blocked = dict(line.split(" ") for line in log.read_text().splitlines())
+    assert blocked == {
+        name: ",".join(b for b in BLOCKED if not (name == "tensor_parallel" and b == "PIL")) for name in SECTIONS
+    }
