@@ -6,7 +6,8 @@ of two choices; outputs that
 ended "stop" parse and validate against their constraint, one that cannot finish ends "length"; logprobs stay
 the raw distribution's; a continuation (a migrated request) rebuilds its matcher from the tokens generated
 before; a constraint that does not compile ends its request "error" holding nothing, and a second request
-with it is refused at admission."""
+with it is refused at admission. The greedy batch runs again under an inter-token latency target and decode
+priority (prefills cut into small chunks beside the constrained decodes): the same tokens."""
 
 from __future__ import annotations
 
@@ -35,20 +36,26 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 MAX_TOKENS = 48
 
 
-def _engine(loaded: tuple[Any, Any]) -> Engine:
+def _engine(loaded: tuple[Any, Any], **settings: Any) -> Engine:
     adapter, model = loaded
-    return Engine(adapter, model, EngineConfig(kv_cache_bytes=8 << 20, max_num_batched_tokens=96, max_num_seqs=32))
+    config = EngineConfig(kv_cache_bytes=8 << 20, max_num_batched_tokens=96, max_num_seqs=32, **settings)
+    return Engine(adapter, model, config)
 
 
-def _run(engine: Engine, requests: list[tuple[Prompt, EngineRequest]]) -> dict[str, Result]:
-    """All ``requests`` queued at once, run to the end; results by request id ("<id>/<i>" for a later choice)."""
+def _run(
+    engine: Engine, requests: list[tuple[Prompt, EngineRequest]], steps: list[int] | None = None
+) -> dict[str, Result]:
+    """All ``requests`` queued at once, run to the end; results by request id ("<id>/<i>" for a later choice);
+    the number of steps taken is appended to ``steps`` when given."""
     for prompt, request in requests:
         for mm_hash, tensor in prompt.embeddings.items():
             engine.provide_embedding(mm_hash, tensor)
         engine.add_request(request)
     results: dict[str, Result] = {}
-    for _ in range(10_000):
+    for taken in range(10_000):
         if not engine.has_work():
+            if steps is not None:
+                steps.append(taken)
             break
         for out in engine.step():
             key = out.request_id if out.index == 0 else f"{out.request_id}/{out.index}"
@@ -102,8 +109,8 @@ def test_constrained_outputs_equal_generate_with_xgrammar_and_validate(
     expected["two"] = oracle(tiny_model_dir, prompts[0].messages, [], two, compiler, eos)
     second = dataclasses.replace(two, seed=None if two.seed is None else two.seed + 1)
     expected["two/1"] = oracle(tiny_model_dir, prompts[0].messages, [], second, compiler, eos)
-    engine = _engine(loaded)
-    results = _run(engine, requests)
+    engine, steps = _engine(loaded), []
+    results = _run(engine, requests, steps)
     assert len(requests) >= 32 and sum(r.sampling.structured is not None for _, r in requests) >= 32
     assert {rid: results[rid].tokens for rid in expected} == expected
     stopped = 0
@@ -118,6 +125,10 @@ def test_constrained_outputs_equal_generate_with_xgrammar_and_validate(
                 assert result.finish_reason == "length" and len(result.tokens) == MAX_TOKENS
     assert stopped >= len(CONSTRAINTS)  # the bounded ones finish on this model
     assert engine.structured.cache.compiles == len(CONSTRAINTS)  # one compile per constraint, shared
+    if not seeded:  # the ITL target and decode priority split prefills into small chunks beside the masked decodes
+        paced = _run(_engine(loaded, itl_target_ms=1.0, prefill_tokens_per_free_seq=2), requests, steps)
+        assert {rid: paced[rid].tokens for rid in expected} == expected
+        assert steps[1] > steps[0], steps  # the prefills did go in more, smaller chunks
 
 
 def test_a_constraint_that_cannot_finish_ends_length_and_logprobs_stay_raw(
