@@ -70,6 +70,24 @@ def decode(dtype: str, shape: tuple[int, ...], data: bytes) -> torch.Tensor:
     return raw.view(torch_dtype).reshape(shape).clone()
 
 
+def view(dtype: str, shape: tuple[int, ...], buffer: bytearray, offset: int = 0) -> torch.Tensor:
+    """`decode` without a copy: the tensor over ``buffer[offset:]``'s first bytes, which it keeps alive (so the
+    caller must not reuse the buffer); raises CodecError when ``buffer`` is too short or the offset unaligned."""
+    if dtype not in _DTYPES:
+        raise CodecError(f"unsupported tensor dtype {dtype!r}")
+    torch_dtype = _DTYPES[dtype]
+    size = torch.tensor([], dtype=torch_dtype).element_size()
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    if offset % size or offset + numel * size > len(buffer):
+        raise CodecError(f"tensor {dtype}{list(shape)} does not fit {len(buffer)} bytes at offset {offset}")
+    if numel == 0:
+        return torch.empty(shape, dtype=torch_dtype)
+    raw = torch.frombuffer(buffer, dtype=torch.uint8, count=numel * size, offset=offset)
+    return raw.view(torch_dtype).reshape(shape)
+
+
 def chunks(data: bytes, size: int = CHUNK_BYTES) -> Iterator[bytes]:
     """Yield `data` in slices of at most `size` bytes (one empty slice for empty data)."""
     if not data:
