@@ -72,13 +72,14 @@ def _bench(args: argparse.Namespace) -> int:
     import subprocess
 
     root = Path(__file__).resolve().parent.parent
-    if not (root / "tests" / "bench" / f"bench_{args.what}.py").exists():
+    name = args.what.replace("-", "_")  # `kv-transfer` is tests/bench/bench_kv_transfer.py
+    if not (root / "tests" / "bench" / f"bench_{name}.py").exists():
         raise UserError(
             f"epd bench needs a source checkout: no tests/bench/ next to services/ under {root} "
             "(run it from a clone of the repository)",
             USAGE,
         )
-    return subprocess.call([sys.executable, "-m", f"tests.bench.bench_{args.what}", *args.rest], cwd=root)
+    return subprocess.call([sys.executable, "-m", f"tests.bench.bench_{name}", *args.rest], cwd=root)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -155,7 +156,8 @@ def _add_tools(sub: argparse._SubParsersAction) -> None:
     tiny.add_argument("--max-pixels", type=int, default=None, help="image processor's max_pixels (default: its own)")
     tiny.set_defaults(fn=_make_tiny)
     bench = sub.add_parser("bench", help="benchmarks (print ratios against a same-run baseline)")
-    benches = ["engine", "encoder", "admission", "burst", "traffic", "soak", "serve", "vllm", "hostile", "grammar_step"]
+    benches = ["engine", "encoder", "admission", "burst", "traffic", "soak", "serve", "vllm", "hostile", "grammar_step",
+               "kv-transfer"]  # fmt: skip
     bench.add_argument("what", choices=benches, help="what to measure")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="flags passed on to the benchmark")
     bench.set_defaults(fn=_bench)

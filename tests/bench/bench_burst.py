@@ -34,7 +34,18 @@ the engine thread's core for up to 100 ms in a step planned at 20). The images a
 PNG of the same noise is 2.7 MB, and eight at once kept the client and the router busy). The load average
 at the end of each run is printed: figures taken while other programs load the box stall in the relay too.
 It takes about two minutes.
-Run: `epd bench burst [--quick] [--itl-target-ms MS]`.
+
+`--pd` compares prefill/decode disaggregation instead: a co-located cluster (router, encoder, worker) against a
+P/D one (router, encoder, a decode worker and a prefill worker, `--pd-min-prefill-tokens`, default 256: the
+images go to the prefill worker, the short stream prompts prefill where they decode), neither with a target,
+their episodes alternating. Each worker that decodes runs alone on the first core and everything else (router,
+encoder, prefill worker, this process and its image sender) on the others (`os.sched_setaffinity` on every
+thread of those processes, set again before each episode): each pool on a device of its own, as on a GPU
+cluster. `--itl-target-ms` gives both clusters that target (default none). Printed as above per run, then
+`pd_stall_over_quiet_p99` (the P/D run's typical worst stall over its quiet p99; the goal is at most 1.5),
+`ttft_cost` (the P/D run's image TTFT p50 over the co-located one's) and the remote prefills the P/D router
+counted.
+Run: `epd bench burst [--quick] [--itl-target-ms MS]`, `epd bench burst --pd [--quick]`.
 """
 
 from __future__ import annotations
@@ -93,6 +104,7 @@ class RunResult:
     episodes: list[Episode]
     worker_metrics: str = ""
     load_average: float = 0.0  # the box's 1-minute load average at the end (other work on it skews everything)
+    remote_prefills: float = 0.0  # a P/D cluster's: requests its router had prefilled on the prefill worker
 
 
 CALIBRATION_EPISODES = 2
@@ -187,14 +199,34 @@ class BenchCluster:
 
     @classmethod
     async def open(
-        cls, model: Path, redis_url: str, settings: Settings, images: list[bytes], target_ms: float, env: dict[str, str]
+        cls,
+        model: Path,
+        redis_url: str,
+        settings: Settings,
+        images: list[bytes],
+        target_ms: float,
+        env: dict[str, str],
+        prefill_workers: int = 0,
+        pd_min_prefill_tokens: int = 256,
+        pinned: bool = False,
     ) -> BenchCluster:
         from services.launch.local import ClusterSpec, start_cluster
 
         env = {**env, "EPD_ITL_TARGET_MS": str(target_ms), "EPD_HTTP_PORT": "0"}
-        spec = ClusterSpec(model, redis_url=redis_url, free_ports=True, env=env)
+        spec = ClusterSpec(
+            model,
+            redis_url=redis_url,
+            free_ports=True,
+            env=env,
+            prefill_workers=prefill_workers,
+            pd_min_prefill_tokens=pd_min_prefill_tokens,
+        )
         opened = cls(await asyncio.to_thread(start_cluster, spec), settings, images)
+        opened.pinned = pinned
         try:
+            opened.pin()
+            if pinned:
+                print(f"pinned ({'P/D' if prefill_workers else 'co-located'}): {opened.affinities()}", flush=True)
             await asyncio.gather(opened.sender.ready(), *(c.channel_ready() for c in opened.channels))
             # the embeddings into the caches; each episode's own salt keeps its prompts out of the KV cache
             await opened.sender.burst("warm", 1)
@@ -203,12 +235,44 @@ class BenchCluster:
             raise
         return opened
 
+    pinned = False
+
+    def pin(self) -> None:
+        """With `pinned`: the workers that decode alone on the first core, everything else on the others."""
+        if self.pinned:
+            others = [self.cluster.router, *self.cluster.encoders, *self.cluster.prefill_workers]
+            pin_pools([p.popen.pid for p in self.cluster.workers], [os.getpid(), *(p.popen.pid for p in others)])
+
+    def affinities(self) -> str:
+        """Each service's cores as its threads have them now (the union over its threads)."""
+        import psutil
+
+        parts = []
+        for process in self.cluster.processes:
+            role = process.env.get("EPD_WORKER_ROLE", process.role) if process.role == "worker" else process.role
+            cores = {c for t in psutil.Process(process.popen.pid).threads() for c in os.sched_getaffinity(t.id)}
+            parts.append(f"{role} {sorted(cores)}")
+        return ", ".join(parts) + f", this process {sorted(os.sched_getaffinity(0))}"
+
+    def remote_prefills(self) -> float:
+        """Requests this cluster's router sent to a prefill worker that came back acknowledged."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.cluster.router.metrics_port}/metrics", timeout=10)
+        lines = text.read().decode().splitlines()
+        return sum(
+            float(x.rsplit(" ", 1)[1])
+            for x in lines
+            if x.startswith("epd_remote_prefills_total{") and 'outcome="sent"' in x
+        )
+
     async def episode(self, salt: str) -> None:
+        self.pin()  # threads started since (torch's, gRPC's) inherit from pinned ones; set again anyway
         self.result.episodes.append(await _episode(self.stubs, self.sender, self.settings, salt))
         self.result.load_average = max(self.result.load_average, os.getloadavg()[0])
 
     async def close(self) -> None:
         self.result.worker_metrics = _scrape_step_metrics(self.cluster.workers[0].metrics_port)
+        if self.cluster.prefill_workers:
+            self.result.remote_prefills = self.remote_prefills()
         await self.sender.close()
         await asyncio.gather(*(c.close() for c in self.channels))
         await asyncio.to_thread(self.cluster.stop)
@@ -248,6 +312,86 @@ async def run_both(
     finally:
         await plain.close()
     return plain.result, targeted.result, target_ms
+
+
+def pin_pools(alone: list[int], others: list[int]) -> None:
+    """Every thread of the processes `alone` (with their children) on the first core, every thread of `others` on
+    the rest: `os.sched_setaffinity` acts on one thread, so each is set. This process is among `others`: of its
+    children only those that are no epd service (its image sender, Redis) go with it, the services being pinned
+    by their own cluster's call. Nothing on a one-core box."""
+    import psutil
+
+    cores = sorted(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1)))
+    if len(cores) < 2:
+        return
+    for pids, where in ((others, set(cores[1:])), (alone, {cores[0]})):
+        for pid in pids:
+            try:
+                process = psutil.Process(pid)
+                tree = [process, *process.children(recursive=pid != os.getpid())]
+                if pid == os.getpid():
+                    tree = [p for p in tree if "services.cli" not in " ".join(p.cmdline())]
+                for each in tree:
+                    for thread in each.threads():
+                        os.sched_setaffinity(thread.id, where)
+            except (psutil.NoSuchProcess, ProcessLookupError, PermissionError):
+                continue  # a thread or process that ended meanwhile
+
+
+async def run_pd(
+    model: Path,
+    redis_url: str,
+    settings: Settings,
+    images: list[bytes],
+    threshold: int,
+    env: dict[str, str],
+    target_ms: float = 0.0,
+) -> tuple[RunResult, RunResult]:
+    """The co-located cluster and the P/D one, both pinned (`pin_pools`), both with ``target_ms`` (0: none), their
+    episodes alternating (co-located first); databases 0 and 1 of ``redis_url``'s server as in `run_both`."""
+    base = redis_url.rsplit("/", 1)[0]
+    colocated = await BenchCluster.open(model, f"{base}/0", settings, images, target_ms, env, pinned=True)
+    try:
+        split = await BenchCluster.open(
+            model, f"{base}/1", settings, images, target_ms, env, prefill_workers=1, pd_min_prefill_tokens=threshold,
+            pinned=True,
+        )  # fmt: skip
+        try:
+            for k in range(settings.bursts):
+                await colocated.episode(f"colocated-{k}")
+                await split.episode(f"pd-{k}")
+        finally:
+            await split.close()
+    finally:
+        await colocated.close()
+    return colocated.result, split.result
+
+
+def _pd_report(colocated: RunResult, split: RunResult, settings: Settings, threshold: int, target_ms: float) -> dict:
+    """The figures of both runs and the P/D comparison, as printed and in the JSON line."""
+    local, pd = summarize(colocated, settings), summarize(split, settings)
+    _print_run("co-located", local)
+    _print_run("P/D", pd)
+    pd["remote_prefills"] = split.remote_prefills
+    report = {
+        "pd": True,
+        "pd_min_prefill_tokens": threshold,
+        "itl_target_ms": target_ms,
+        "stall_ratio": {"colocated": local["stall_ratio"], "pd": pd["stall_ratio"]},
+        "pd_stall_over_quiet_p99": pd["stall_ratio"],
+        "pd_stall_goal_met": pd["stall_ratio"] <= 1.5,
+        "ttft_cost": pd["image_ttft_p50_ms"] / local["image_ttft_p50_ms"],
+        "remote_prefills": split.remote_prefills,
+        "colocated": local,
+        "pd_run": pd,
+    }
+    print(
+        f"P/D: typical worst stall {pd['typical_worst_stall_ms']:.1f} ms = {pd['stall_ratio']:.2f} x its quiet p99 "
+        f"(goal <= 1.5; co-located {local['stall_ratio']:.2f}); image TTFT p50 {pd['image_ttft_p50_ms']:.0f} ms "
+        f"against {local['image_ttft_p50_ms']:.0f} ms co-located ({report['ttft_cost']:.2f}x); "
+        f"{split.remote_prefills:.0f} remote prefills"
+    )
+    return report
 
 
 def _scrape_step_metrics(port: int) -> str:
@@ -290,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         "--itl-target-ms",
         type=float,
         default=0.0,
-        help="the second run's target (default: --target-factor x the first run's quiet p99)",
+        help="the second run's target (default: --target-factor x the first run's quiet p99); with --pd both "
+        "clusters' (default none)",
     )
     parser.add_argument("--target-factor", type=float, default=2.0)
     parser.add_argument("--streams", type=int, default=8)
@@ -307,11 +452,18 @@ def main(argv: list[str] | None = None) -> int:
         "--engine-process", action="store_true", help="both clusters' workers with EPD_ENGINE_PROCESS=true"
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny model, 2 streams, 2 small images")
+    parser.add_argument(
+        "--pd", action="store_true", help="co-located against prefill/decode disaggregation, each pool on its core"
+    )
+    parser.add_argument(
+        "--pd-min-prefill-tokens", type=int, default=256, help="with --pd: the router's EPD_PD_MIN_PREFILL_TOKENS"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.streams, args.images, args.image_size = 2, 2, "448x336"
         args.quiet_tokens, args.stream_tokens, args.image_tokens, args.bursts = 30, 90, 4, 1
         args.text_width, args.text_layers = 64, 2
+        args.pd_min_prefill_tokens = min(args.pd_min_prefill_tokens, 128)  # a 448x336 image prompt: ~230 tokens
     width, height = (int(v) for v in args.image_size.lower().split("x"))
     settings = Settings(
         args.streams,
@@ -336,11 +488,19 @@ def main(argv: list[str] | None = None) -> int:
             model = make_tiny_model(
                 Path(tmp) / "model", "qwen2-vl", text_width=args.text_width, text_layers=args.text_layers
             )
-            plain, targeted, target_ms = asyncio.run(
-                run_both(model, redis.url, settings, images, args.itl_target_ms, args.target_factor, env)
-            )
+            if args.pd:
+                colocated, split = asyncio.run(
+                    run_pd(model, redis.url, settings, images, args.pd_min_prefill_tokens, env, args.itl_target_ms)
+                )
+            else:
+                plain, targeted, target_ms = asyncio.run(
+                    run_both(model, redis.url, settings, images, args.itl_target_ms, args.target_factor, env)
+                )
     finally:
         redis.stop()
+    if args.pd:
+        print(json.dumps(_pd_report(colocated, split, settings, args.pd_min_prefill_tokens, args.itl_target_ms)))
+        return 0
     base, with_target = summarize(plain, settings), summarize(targeted, settings)
     _print_run("no target", base)
     _print_run("target", with_target)
