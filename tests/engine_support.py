@@ -148,6 +148,18 @@ def mixed_workload(adapter: Any, model: Any, model_dir: Path) -> list[tuple[Prom
     return out
 
 
+INTERPRETED_REQUESTS = (0, 3, 4, 11, 14, 7, 2, 10)
+"""The requests of `mixed_workload` an interpreted case runs (Triton's interpreter is ~100x slower than the CPU
+paths), still concurrent: text only, a 300-token image prompt chunked at budget 64 across a 256-token block's
+boundary and a second one sharing its image prefix (served from the prefix cache), a repeated image, three
+images, one stopping on EOS before max_tokens; two groups of four, so half the embeddings still arrive late."""
+
+
+def interpreted_workload(workload: list[tuple[Prompt, int, list[int]]]) -> list[tuple[Prompt, int, list[int]]]:
+    """``workload``'s `INTERPRETED_REQUESTS`, in that order (each with its own `generate` completion)."""
+    return [workload[i] for i in INTERPRETED_REQUESTS]
+
+
 def run_workload(engine: Engine, workload: list[tuple[Prompt, int, list[int]]]) -> dict[str, Result]:
     """The requests in groups of four a step apart, half the embeddings late; checks every output equals
     `generate` and that everything is given back."""
