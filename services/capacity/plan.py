@@ -3,7 +3,8 @@
 Without a profile the report holds the sizes only (tokens per item, KV bytes per token, embedding against KV
 bytes) and says that times need one; nothing is guessed. With one it adds the cost model's times
 (`cost_model.py`), the recommended deployment (co-located or an encoder pool, with the encoder:worker ratio),
-KV per worker and the hit rate at which the embedding cache pays.
+KV per worker, the hit rate at which the embedding cache pays, and whether a prefill pool pays (pd_split.py: the
+uncached-token threshold and the encoder : prefill : decode ratio).
 
 Deployment rule: run the encoder co-located when that is no slower on average (no transfer, but the tower
 stretches the worker's decode steps), every pool stays stable, and the co-located worst inter-token latency
@@ -17,6 +18,7 @@ from typing import Any
 
 from services.capacity import cost_model as cm
 from services.capacity.model_sizes import ModelSizes
+from services.capacity.pd_split import pd_split_json
 from services.capacity.profile import Profile
 from services.capacity.traffic import Traffic
 
@@ -108,6 +110,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "times": None,
         "deployment": None,
         "cache": None,
+        "prefill_decode": None,
         "profile": None,
     }
     if plan.disaggregated is None or plan.colocated is None or plan.profile is None:
@@ -152,6 +155,9 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "pays": break_even is not None and plan.traffic.reuse > break_even,
         "request_s_without_cache": cm.no_cache_s(times),
     }
+    out["prefill_decode"] = pd_split_json(
+        plan.kinds, dis, plan.profile, s.kv_bytes_per_token, plan.transport, plan.traffic.itl_ms
+    )
     measured = plan.profile.model
     if measured.get("model_type") != s.model_type or measured.get("hidden_size") != s.hidden_size:
         out["warnings"] = [

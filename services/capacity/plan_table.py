@@ -100,6 +100,19 @@ def plan_table(report: dict[str, Any]) -> str:
         if be is not None
         else f"embedding cache: never pays on this hardware (reading costs as much as encoding; reuse {c['reuse']:.0%})"
     )
+    pd = report.get("prefill_decode")
+    if pd is not None:
+        ratio = pd["ratio"]
+        lines.append(
+            f"prefill/decode: {pd['recommendation']} ({'; '.join(pd['reasons'])})"
+            + (
+                f"; EPD_PD_MIN_PREFILL_TOKENS={pd['threshold_tokens']}, time to first token "
+                f"+{1000 * pd['ttft_cost_s']:.1f} ms for those sent; encoder : prefill : decode = "
+                f"{ratio['encoder']:.2f} : {ratio['prefill']:.2f} : 1"
+                if pd["threshold_tokens"] is not None
+                else ""
+            )
+        )
     return "\n".join(lines)
 
 
