@@ -109,7 +109,9 @@ def _registered(redis_url: str, role: str, address: str) -> None:
 
 
 def test_rolling_restart_of_every_service_under_load_fails_nothing(replicated: Replicated) -> None:
-    """The rolling restart: SIGTERM to each router, encoder and worker in turn while requests run: 0 failed."""
+    """The rolling restart: SIGTERM to each router, encoder and worker in turn while requests run: 0 failed. Each
+    worker drains with the default timeout; its replacement starts with EPD_DRAIN_TIMEOUT_S=0, which the next test
+    needs (and would otherwise restart both workers for)."""
     cluster = replicated.cluster
     settled_workers(cluster.redis_url, 2)
 
@@ -119,6 +121,8 @@ def test_rolling_restart_of_every_service_under_load_fails_nothing(replicated: R
     with Load(replicated.addresses, make, clients=4) as load:
         time.sleep(2)
         for process in replicated.processes:
+            if process.role == "worker":
+                process.env = {**process.env, "EPD_DRAIN_TIMEOUT_S": "0"}  # the replacement's; this one drains as set
             _restart(process)
             if process.role != "router":
                 _registered(cluster.redis_url, process.role, process.address)
@@ -133,9 +137,10 @@ def test_drain_timeout_ends_requests_and_their_routers_migrate_them(replicated: 
     """Workers with EPD_DRAIN_TIMEOUT_S=0: SIGTERM to the busy one ends its streams at once; each continues on
     the other worker (reason `drain`), token for token as in an undisturbed run."""
     cluster = replicated.cluster
-    for worker in cluster.workers:  # restarted while idle, with a drain timeout of 0 from now on
-        worker.env = {**worker.env, "EPD_DRAIN_TIMEOUT_S": "0"}
-        _restart(worker)
+    for worker in cluster.workers:  # a drain timeout of 0: from the rolling restart, else restarted idle with it
+        if worker.env.get("EPD_DRAIN_TIMEOUT_S") != "0":
+            worker.env = {**worker.env, "EPD_DRAIN_TIMEOUT_S": "0"}
+            _restart(worker)
     settled_workers(cluster.redis_url, 2)
     router = [cluster.address]
     calm = run_all(router, [image_request(i, 120, salt="calm") for i in range(8)])
