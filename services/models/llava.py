@@ -33,7 +33,7 @@ from services.models.base import (
 )
 from services.models.folder_adapter import FolderAdapter
 from services.models.media_span import MediaSpan
-from services.models.prompt import check_no_special_text, count_image_parts, expand_placeholders
+from services.models.prompt import check_no_special_text, count_image_parts, encode_ids, expand_placeholders
 
 if TYPE_CHECKING:  # PIL only for annotations: the worker's model side runs without it
     from PIL import Image
@@ -121,7 +121,7 @@ class LlavaAdapter(FolderAdapter):
         text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         bos = self.tokenizer.bos_token
         add_special = not (bos and text.startswith(bos))  # transformers' processors' rule for rendered chats
-        ids = self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=add_special).ids
+        ids = encode_ids(self.tokenizer, text, add_special)
         return expand_placeholders(ids, self.image_token_id, items)
 
     # ----- vision (encoder) -----

@@ -30,6 +30,7 @@ from services.models.loading import read_video_processor_dict
 from services.models.media_span import MediaSpan
 from services.models.prompt import (
     check_no_special_text,
+    encode_ids,
     expand_media_placeholders,
     expand_placeholders,
     media_parts,
@@ -126,8 +127,7 @@ class Qwen2VLAdapter(FolderAdapter, Qwen2VLVideoMixin):
         Raises PromptError when user text holds a special token, or media parts and items disagree.
         """
         text, kinds = self._chat_text(messages, items)
-        # the Rust tokenizer itself: the Python wrapper's call adds ~100 us per prompt and the same ids
-        ids = self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+        ids = encode_ids(self.tokenizer, text, False)
         if "video" not in kinds:  # the common case, scanned in C
             return expand_placeholders(ids, self.image_token_id, items)
         placeholders = {"image": self.image_token_id, "video": self.video_token_id}

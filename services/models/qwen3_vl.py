@@ -42,7 +42,7 @@ from services.models.base import (
     VideoTokens,
 )
 from services.models.loading import read_video_processor_dict
-from services.models.prompt import expand_media_placeholders
+from services.models.prompt import encode_ids, expand_media_placeholders
 from services.models.qwen2_vl import Qwen2VLAdapter
 from services.models.qwen2_vl_video import VideoSettings
 from services.models.qwen2_vl_vision import plan_vision, stage, stage_batch, tower_takes_plan
@@ -114,7 +114,7 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
             per_group = item.num_tokens // t
             groups += [replace(item, num_tokens=per_group, grid_thw=(1, h, w))] * t
             rows += [k * per_group for k in range(t)]
-        ids = self.tokenizer.backend_tokenizer.encode("".join(expanded), add_special_tokens=False).ids
+        ids = encode_ids(self.tokenizer, "".join(expanded), False)
         placeholders = {"image": self.image_token_id, "video": self.video_token_id}
         built = expand_media_placeholders(ids, placeholders, groups)
         spans = [replace(span, item_row=row) for span, row in zip(built.spans, rows, strict=True)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.common.model_info import ModelInfo
+from services.models.prompt import encode_ids
 from services.router.accounting import Accounted
 from services.router.errors import invalid
 
@@ -25,7 +26,7 @@ def placeholder_ids(adapter: Any) -> dict[int, str]:
 def prompt_token_ids(adapter: Any, text: str, add_special_tokens: bool = True) -> list[int]:
     """`text`'s token ids by the model's tokenizer (its BOS first where it adds one and
     `add_special_tokens`); INVALID_ARGUMENT naming a placeholder token it holds."""
-    ids = adapter.tokenizer.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+    ids = encode_ids(adapter.tokenizer, text, add_special_tokens)
     placeholders = placeholder_ids(adapter)
     for position, token_id in enumerate(ids):
         if token_id in placeholders:
