@@ -84,6 +84,33 @@ def tiny_llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llava"), "llava")
 
 
+FRESH_BUILDS = {
+    "qwen2-vl": TINY_TEST_MAX_PIXELS,
+    "llava": None,
+    "qwen3-vl": TINY_QWEN3_MAX_PIXELS,
+}
+"""The tiny families `fresh_tiny_builds` builds again, and the max_pixels of each (None: its own)."""
+
+
+@pytest.fixture(scope="session")
+def fresh_tiny_builds(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`FRESH_BUILDS`, each built again into ``<folder>/<family>`` by another interpreter with another hash seed
+    (one process for them all), for the tests that the build is byte for byte the session fixtures'."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("fresh-tiny-builds")
+    script = (
+        "import sys; from pathlib import Path; from services.models.tiny_model import make_tiny_model\n"
+        f"for family, max_pixels in {FRESH_BUILDS!r}.items():\n"
+        "    make_tiny_model(Path(sys.argv[1]) / family, family, max_pixels=max_pixels)\n"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "HF_HUB_OFFLINE": "1"}
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-c", script, str(out)], check=True, cwd=root, env=env)
+    return out
+
+
 @pytest.fixture(scope="module")
 def redis_server() -> Iterator[RedisServer]:
     """A private redis-server per test module (stopping it disturbs nobody else)."""

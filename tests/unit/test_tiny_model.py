@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +11,6 @@ import pytest
 from services.models.tiny_model import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, make_tiny_model
 from tests.conftest import TINY_TEST_MAX_PIXELS
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 SPECIAL = (
     "<|endoftext|>",
     "<|im_start|>",
@@ -30,15 +27,9 @@ def _files(folder: Path) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in sorted(folder.iterdir()) if path.is_file()}
 
 
-def test_build_is_byte_identical_in_a_fresh_process(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_build_is_byte_identical_in_a_fresh_process(tiny_model_dir: Path, fresh_tiny_builds: Path) -> None:
     # Another interpreter with another hash seed must produce exactly the session fixture's bytes.
-    script = (
-        "import sys; from pathlib import Path; from services.models.tiny_model import make_tiny_model; "
-        f"make_tiny_model(Path(sys.argv[1]), 'qwen2-vl', max_pixels={TINY_TEST_MAX_PIXELS})"
-    )
-    env = {**os.environ, "PYTHONHASHSEED": "12345", "HF_HUB_OFFLINE": "1"}
-    subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, cwd=REPO_ROOT, env=env)
-    rebuilt, original = _files(tmp_path), _files(tiny_model_dir)
+    rebuilt, original = _files(fresh_tiny_builds / "qwen2-vl"), _files(tiny_model_dir)
     assert sorted(rebuilt) == [
         "config.json",
         "generation_config.json",
@@ -51,14 +42,8 @@ def test_build_is_byte_identical_in_a_fresh_process(tiny_model_dir: Path, tmp_pa
     assert rebuilt == original
 
 
-def test_llava_build_is_byte_identical_in_a_fresh_process(tiny_llava_dir: Path, tmp_path: Path) -> None:
-    script = (
-        "import sys; from pathlib import Path; from services.models.tiny_model import make_tiny_model; "
-        "make_tiny_model(Path(sys.argv[1]), 'llava')"
-    )
-    env = {**os.environ, "PYTHONHASHSEED": "54321", "HF_HUB_OFFLINE": "1"}
-    subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, cwd=REPO_ROOT, env=env)
-    rebuilt = _files(tmp_path)
+def test_llava_build_is_byte_identical_in_a_fresh_process(tiny_llava_dir: Path, fresh_tiny_builds: Path) -> None:
+    rebuilt = _files(fresh_tiny_builds / "llava")
     assert sorted(rebuilt) == [
         "config.json",
         "generation_config.json",
