@@ -45,9 +45,14 @@ def config(model_dir: Path, **overrides: Any) -> WorkerConfig:
     return WorkerConfig(model=str(model_dir), kv_cache_bytes=8 << 20, torch_threads=1, **overrides)
 
 
+CHILD_LOST = threading.Event()
+"""Set by the module's engine process when its child is gone (the last test kills it)."""
+
+
 @pytest.fixture(scope="module")
 def process(tiny_model_dir: Path) -> Iterator[EngineProcess]:
-    engine = EngineProcess(config(tiny_model_dir, itl_target_ms=50.0))
+    CHILD_LOST.clear()
+    engine = EngineProcess(config(tiny_model_dir, itl_target_ms=50.0), on_lost=CHILD_LOST.set)
     engine.start(timeout_s=120)
     yield engine
     engine.stop()
@@ -172,25 +177,21 @@ def test_a_start_up_failure_names_its_reason(tmp_path: Path) -> None:
         engine.start(timeout_s=120)
 
 
-def test_a_dead_child_fails_the_running_requests(tiny_model_dir: Path) -> None:
-    """Kill the child mid-stream: the running request's sink gets None, new calls fail, `on_lost` runs."""
-    lost = threading.Event()
-    engine = EngineProcess(config(tiny_model_dir), on_lost=lost.set)
-    engine.start(timeout_s=120)
-    try:
-        stream = Stream()
-        started = threading.Event()
+def test_a_dead_child_fails_the_running_requests(process: EngineProcess) -> None:
+    """Kill the child mid-stream: the running request's sink gets None, new calls fail, `on_lost` runs. Last here:
+    the module's engine process is the one killed."""
+    stream = Stream()
+    started = threading.Event()
 
-        def sink(output: Any) -> None:
-            stream(output)
-            started.set()
+    def sink(output: Any) -> None:
+        stream(output)
+        started.set()
 
-        request = EngineRequest("long", PROMPTS[0], [], SamplingOptions(max_tokens=8000, ignore_eos=True))
-        engine.add_admitted(request, sink)
-        assert started.wait(30)
-        os.kill(engine.pid, signal.SIGKILL)
-        assert lost.wait(30) and stream.freed.wait(5) and stream.failed
-        with pytest.raises(EngineGone, match="engine process is gone"):
-            engine.abort("long").result(timeout=5)
-    finally:
-        engine.stop()
+    request = EngineRequest("long", PROMPTS[0], [], SamplingOptions(max_tokens=8000, ignore_eos=True))
+    process.add_admitted(request, sink)
+    assert started.wait(30)
+    assert not CHILD_LOST.is_set()
+    os.kill(process.pid, signal.SIGKILL)
+    assert CHILD_LOST.wait(30) and stream.freed.wait(5) and stream.failed
+    with pytest.raises(EngineGone, match="engine process is gone"):
+        process.abort("long").result(timeout=5)
