@@ -225,3 +225,20 @@ def metric_by_label(port: int, name: str, label: str) -> dict[str, float]:
             value = line.split(f'{label}="', 1)[1].split('"', 1)[0]
             out[value] = out.get(value, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
+
+
+class StreamsStarted:
+    """`run_all`'s `on_chunk` noting which streams have had a chunk; `wait` returns once all `count` have."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.started: set[int] = set()
+        self._all = threading.Event()
+
+    def __call__(self, index: int) -> None:
+        self.started.add(index)
+        if len(self.started) >= self.count:
+            self._all.set()
+
+    def wait(self, timeout_s: float = 120.0) -> None:
+        assert self._all.wait(timeout_s), f"only {len(self.started)} of {self.count} streams started"

@@ -31,6 +31,7 @@ from services.launch.supervisor import Supervisor
 from tests.integration.conftest import RedisServer
 from tests.reliability_support import (
     Load,
+    StreamsStarted,
     describe,
     image_request,
     metric_by_label,
@@ -146,17 +147,11 @@ def test_drain_timeout_ends_requests_and_their_routers_migrate_them(replicated: 
     calm = run_all(router, [image_request(i, 120, salt="calm") for i in range(8)])
     assert all(o.ok for o in calm), describe([o for o in calm if not o.ok])
     drains_before = metric_by_label(cluster.router.metrics_port, "epd_migrations_total", "reason").get("drain", 0)
-    started: set[int] = set()
-    everyone = threading.Event()
-
-    def on_chunk(index: int) -> None:
-        started.add(index)
-        if len(started) == 8:
-            everyone.set()
+    on_chunk = StreamsStarted(8)
 
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(run_all, router, [image_request(i, 120, salt="drained") for i in range(8)], 120, on_chunk)
-        assert everyone.wait(120)
+        on_chunk.wait(120)
         registry = Registry(cluster.redis_url)
         busy = max(registry.members("worker") or [], key=lambda m: m.state["running"]).address
         registry.close()

@@ -34,6 +34,7 @@ from tests.bench.bench_engine import STRUCTURED_SCHEMA
 from tests.integration.conftest import RedisServer
 from tests.reliability_support import (
     Load,
+    StreamsStarted,
     balanced_stub,
     describe,
     image_request,
@@ -104,18 +105,12 @@ def test_worker_killed_mid_stream_every_request_completes_unchanged(
     assert all(o.ok and len(o.token_ids) == TOKENS for o in calm), describe([o for o in calm if not o.ok])
     assert sum(o.migrations for o in calm) == 0
     before = sum(metric_by_label(cluster.router.metrics_port, "epd_migrations_total", "reason").values())
-    started: set[int] = set()
-    everyone = threading.Event()
-
-    def on_chunk(index: int) -> None:
-        started.add(index)
-        if len(started) == STREAMS:
-            everyone.set()
+    on_chunk = StreamsStarted(STREAMS)
 
     requests = _requests("disturbed")
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(run_all, [cluster.address], requests, 120.0, on_chunk)
-        assert everyone.wait(120), f"only {len(started)} streams started"
+        on_chunk.wait(120)
         os.kill(cluster.workers[0].popen.pid, signal.SIGKILL)
         disturbed = running.result()
     assert all(o.ok for o in disturbed), describe([o for o in disturbed if not o.ok])

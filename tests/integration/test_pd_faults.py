@@ -32,7 +32,7 @@ from services.launch import local
 from services.launch.health import wait_healthy
 from services.launch.supervisor import Supervisor
 from tests.integration.conftest import RedisServer
-from tests.reliability_support import balanced_stub, describe, metric_by_label, run_all, settled_workers
+from tests.reliability_support import StreamsStarted, balanced_stub, describe, metric_by_label, run_all, settled_workers
 
 STREAMS, TOKENS = 16, 24
 THRESHOLD = 64  # EPD_PD_MIN_PREFILL_TOKENS
@@ -179,17 +179,11 @@ def test_decode_worker_killed_after_first_tokens(pd: PD, calm: list[list[int]]) 
     """kill -9 of a decode worker once every stream has tokens: its requests continue on the other decode worker
     (prefilled remotely again: prompt and tokens so far), token for token as undisturbed."""
     _settled(pd)
-    started: set[int] = set()
-    everyone = threading.Event()
-
-    def on_chunk(index: int) -> None:
-        started.add(index)
-        if len(started) == STREAMS:
-            everyone.set()
+    on_chunk = StreamsStarted(STREAMS)
 
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(run_all, [pd.cluster.address], _requests("killed-decode"), 120.0, on_chunk)
-        assert everyone.wait(120), f"only {len(started)} streams started"
+        on_chunk.wait(120)
         os.kill(pd.cluster.workers[0].popen.pid, signal.SIGKILL)
         outcomes = running.result()
     _same_as_calm(outcomes, calm)

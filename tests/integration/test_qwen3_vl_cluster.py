@@ -36,7 +36,7 @@ from tests import media_factory
 from tests.integration.conftest import RedisServer, metric_value, module_cluster
 from tests.oracle import hf_generate
 from tests.oracle_video import hf_generate_media, video_config, video_inputs
-from tests.reliability_support import describe, image_request, run_all
+from tests.reliability_support import StreamsStarted, describe, image_request, run_all
 
 MAX_TOKENS = 12
 VIDEO_REFERENCE = Path(__file__).resolve().parents[1] / "data" / "video_reference"
@@ -254,24 +254,17 @@ def test_a_worker_killed_mid_stream_every_request_completes_unchanged(cluster: C
     levels fetched from the cache) ends with the undisturbed run's tokens."""
     import os
     import signal
-    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     streams, tokens, s = 8, 160, cluster.seed
     calm = run_all([cluster.local.address], [image_request(s + i, tokens, "calm", size=200) for i in range(streams)])
     assert all(o.ok and len(o.token_ids) == tokens for o in calm), describe([o for o in calm if not o.ok])
-    started: set[int] = set()
-    everyone = threading.Event()
-
-    def on_chunk(index: int) -> None:
-        started.add(index)
-        if len(started) == streams:
-            everyone.set()
+    on_chunk = StreamsStarted(streams)
 
     requests = [image_request(s + i, tokens, "disturbed", size=200) for i in range(streams)]
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(run_all, [cluster.local.address], requests, 120.0, on_chunk)
-        assert everyone.wait(120), f"only {len(started)} streams started"
+        on_chunk.wait(120)
         os.kill(cluster.local.workers[0].popen.pid, signal.SIGKILL)
         disturbed = running.result()
     assert all(o.ok for o in disturbed), describe([o for o in disturbed if not o.ok])

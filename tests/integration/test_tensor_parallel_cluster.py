@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +20,7 @@ from services.launch.local import LocalCluster
 from tests import media_factory
 from tests.integration.conftest import RedisServer, module_cluster
 from tests.integration.test_skeleton import MAX_TOKENS, expected
-from tests.reliability_support import describe, image_request, run_all, settled_workers, text_request
+from tests.reliability_support import StreamsStarted, describe, image_request, run_all, settled_workers, text_request
 
 STREAMS, TOKENS = 16, 96
 
@@ -94,17 +93,11 @@ def test_a_rank_killed_under_load_every_request_completes_unchanged(cluster: Loc
     assert all(o.ok and len(o.token_ids) == TOKENS for o in calm), describe([o for o in calm if not o.ok])
     worker = cluster.workers[0].popen
     (rank,) = ranks_of(worker.pid)
-    started: set[int] = set()
-    everyone = threading.Event()
-
-    def on_chunk(index: int) -> None:
-        started.add(index)
-        if len(started) == STREAMS:
-            everyone.set()
+    on_chunk = StreamsStarted(STREAMS)
 
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(run_all, [cluster.address], _requests("disturbed"), 120.0, on_chunk)
-        assert everyone.wait(120), f"only {len(started)} streams started"
+        on_chunk.wait(120)
         os.kill(rank, signal.SIGKILL)
         killed = time.monotonic()
         assert worker.wait(timeout=10) == 1  # the worker exits with its rank lost
