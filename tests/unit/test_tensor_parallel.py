@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -75,10 +76,11 @@ class Started:
         return self.engines[name]
 
     def close(self) -> list[Any]:
-        """Close every engine's ranks; the rank processes that were running."""
+        """Close every engine's ranks, the engines side by side (each waits for its ranks to exit); the rank
+        processes that were running."""
         processes = [p for engine in self.engines.values() for p in engine.runner.ranks.processes]
-        for engine in self.engines.values():
-            engine.runner.close()
+        with ThreadPoolExecutor(max(1, len(self.engines))) as pool:
+            list(pool.map(lambda engine: engine.runner.close(), self.engines.values()))
         self.engines.clear()
         return processes
 
