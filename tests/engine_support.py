@@ -156,8 +156,11 @@ images, one stopping on EOS before max_tokens; two groups of four, so half the e
 
 
 def interpreted_workload(workload: list[tuple[Prompt, int, list[int]]]) -> list[tuple[Prompt, int, list[int]]]:
-    """``workload``'s `INTERPRETED_REQUESTS`, in that order (each with its own `generate` completion)."""
-    return [workload[i] for i in INTERPRETED_REQUESTS]
+    """``workload``'s `INTERPRETED_REQUESTS`, in that order (each with its own `generate` completion); one of
+    them is longer than a 256-token block."""
+    chosen = [workload[i] for i in INTERPRETED_REQUESTS]
+    assert max(len(prompt.token_ids) for prompt, _, _ in chosen) > 256, "no prompt crosses a 256-token block"
+    return chosen
 
 
 def run_workload(engine: Engine, workload: list[tuple[Prompt, int, list[int]]]) -> dict[str, Result]:
