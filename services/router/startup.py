@@ -62,6 +62,10 @@ async def start_router(config: RouterConfig) -> Callable[[], Awaitable[None]]:
         ),
     )
     prep = RequestPrep(info, config, metrics)
+    pairing = None  # without a threshold every request prefills where it decodes: nothing to look up per admission
+    if config.pd_min_prefill_tokens:
+        policy = PrefillPolicy(config.pd_min_prefill_tokens, config.pd_max_prefill_waiting)
+        pairing = PrefillPlacement(policy, view, affinity)
     servicer = GenerationServicer(
         info,
         config,
@@ -79,7 +83,7 @@ async def start_router(config: RouterConfig) -> Callable[[], Awaitable[None]]:
         dialer,
         view,
         Tenancy.from_config(config),
-        PrefillPlacement(PrefillPolicy(config.pd_min_prefill_tokens, config.pd_max_prefill_waiting), view, affinity),
+        pairing,
     )
     binding = grpc_server.ServiceBinding(
         generation_pb2_grpc.add_GenerationServicer_to_server, servicer, "epd.v1.Generation"
