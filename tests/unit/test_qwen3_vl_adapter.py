@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 from PIL import Image
-from transformers import DynamicCache
 
 from services.common.hashing import ModelIdentity, mm_hash
 from services.models import deepstack
@@ -25,7 +24,6 @@ from services.models.base import (
     ChatPart,
     ModelAdapter,
     PlacedEmbedding,
-    media_forward_kwargs,
     placeholder_token_id,
     supports_video,
 )
@@ -34,6 +32,7 @@ from services.models.qwen3_vl import Qwen3VLAdapter
 from services.models.registry import load_adapter
 from tests.conftest import TINY_QWEN3_MAX_PIXELS
 from tests.oracle import hf_generate
+from tests.split_greedy import split_greedy
 
 SIZES = [(1, 1), (3, 5), (32, 32), (57, 41), (223, 337), (640, 480), (1344, 1008), (1920, 1080), (30, 5000)]
 MESSAGES = [ChatMessage("user", [ChatPart("image"), ChatPart("text", "Describe both pictures."), ChatPart("image")])]
@@ -178,37 +177,10 @@ def test_deepstack_keywords_cover_exactly_the_placed_rows() -> None:
 def _split_greedy(
     adapter: Qwen3VLAdapter, model: Any, images: list[Image.Image], max_tokens: int, chunk: int, levels: bool = True
 ) -> list[int]:
-    """Our split path over a DynamicCache: the prompt in chunks of `chunk` rows (each with the DeepStack keywords of
-    the media rows it holds), then one token at a time."""
-    items = [adapter.image_tokens(im.width, im.height) for im in images]
-    built = adapter.build_prompt(MESSAGES, items)
+    """`split_greedy` over `images` in MESSAGES."""
+    built = adapter.build_prompt(MESSAGES, [adapter.image_tokens(im.width, im.height) for im in images])
     rows = adapter.encode(model, [adapter.preprocess(im) for im in images])
-    spans = [MediaSpan("", s.offset, s.num_tokens, i.grid_thw) for s, i in zip(built.spans, items, strict=True)]
-    positions = adapter.prompt_positions(model, built.token_ids, spans)
-    ids, length = torch.tensor(built.token_ids), len(built.token_ids)
-    cache = DynamicCache(config=model.config.get_text_config())
-    out: list[int] = []
-    with torch.no_grad():
-        for start in range(0, length, chunk):
-            end = min(length, start + chunk)
-            placed = []
-            for span, item_rows in zip(spans, rows, strict=True):
-                lo, hi = max(start, span.offset), min(end, span.offset + span.num_tokens)
-                if lo < hi:
-                    placed.append(PlacedEmbedding(lo - start, item_rows[lo - span.offset : hi - span.offset]))
-            embeds = adapter.embed_prompt(model, ids[start:end], placed)
-            extra = media_forward_kwargs(adapter, placed, end - start) if levels else {}
-            hidden = adapter.forward_hidden(
-                model, embeds[None], positions.positions[:, None, start:end], cache=cache, **extra
-            )
-        while True:
-            token = int(adapter.compute_logits(model, hidden[:, -1]).argmax(-1))
-            out.append(token)
-            if token in adapter.eos_token_ids or len(out) == max_tokens:
-                return out
-            step = adapter.embed_prompt(model, torch.tensor([token]), [])
-            pos = adapter.decode_positions(length + len(out) - 1, 1, positions.rope_delta)
-            hidden = adapter.forward_hidden(model, step[None], pos[:, None, :], cache=cache)
+    return split_greedy(adapter, model, built, rows, max_tokens, chunk, levels)
 
 
 def test_split_greedy_equals_generate_whole_and_chunked(qwen3: tuple[Qwen3VLAdapter, Any, Path]) -> None:

@@ -22,13 +22,14 @@ import torch
 from services.common.media_types import VideoLimits
 from services.common.video import probe_video
 from services.encoder.video_decode import decode_video
-from services.models.base import ChatMessage, ChatPart, PlacedEmbedding, VideoError, media_forward_kwargs
+from services.models.base import ChatMessage, ChatPart, VideoError
 from services.models.media_span import span_items
 from services.models.qwen3_vl import Qwen3VLAdapter
 from services.models.qwen3_vl_video import sample_frame_indices, video_settings
 from services.models.registry import load_adapter
 from tests import media_factory
 from tests.oracle_video import hf_generate_media, video_config, video_inputs
+from tests.split_greedy import split_greedy
 
 REFERENCE = Path(__file__).resolve().parent.parent / "data" / "video_reference"
 CASES = json.loads((REFERENCE / "reference.json").read_text())
@@ -146,40 +147,6 @@ def test_video_positions_equal_get_rope_index(qwen3: tuple, fps: int) -> None:
     assert len(built.spans) == 1 + items[1].grid_thw[0] and span_items(built.spans) == [0] + [1] * items[1].grid_thw[0]
 
 
-def _greedy(adapter: Qwen3VLAdapter, model: Any, built: Any, rows: list[torch.Tensor], max_tokens: int, chunk: int):
-    """Our split path over a DynamicCache: the prompt in chunks of `chunk` rows, each span's rows taken from its
-    item's embedding at its `item_row` (with the DeepStack keywords of the rows the chunk holds), then decoding."""
-    from transformers import DynamicCache
-
-    items = span_items(built.spans)
-    positions = adapter.prompt_positions(model, built.token_ids, built.spans)
-    ids, length = torch.tensor(built.token_ids), len(built.token_ids)
-    cache = DynamicCache(config=model.config.get_text_config())
-    out: list[int] = []
-    with torch.no_grad():
-        for start in range(0, length, chunk):
-            end = min(length, start + chunk)
-            placed = []
-            for span, item in zip(built.spans, items, strict=True):
-                lo, hi = max(start, span.offset), min(end, span.end)
-                if lo < hi:
-                    first = span.item_row - span.offset
-                    placed.append(PlacedEmbedding(lo - start, rows[item][lo + first : hi + first]))
-            embeds = adapter.embed_prompt(model, ids[start:end], placed)
-            extra = media_forward_kwargs(adapter, placed, end - start)
-            hidden = adapter.forward_hidden(
-                model, embeds[None], positions.positions[:, None, start:end], cache=cache, **extra
-            )
-        while True:
-            token = int(adapter.compute_logits(model, hidden[:, -1]).argmax(-1))
-            out.append(token)
-            if token in adapter.eos_token_ids or len(out) == max_tokens:
-                return out
-            step = adapter.embed_prompt(model, torch.tensor([token]), [])
-            pos = adapter.decode_positions(length + len(out) - 1, 1, positions.rope_delta)
-            hidden = adapter.forward_hidden(model, step[None], pos[:, None, :], cache=cache)
-
-
 def test_split_path_with_video_equals_generate(qwen3: tuple) -> None:
     """encode (image and video in one tower call), embed, positions, DeepStack, prefill whole and in 7-row chunks
     (which split frame groups and timestamps), decode == `generate` greedy."""
@@ -193,5 +160,5 @@ def test_split_path_with_video_equals_generate(qwen3: tuple) -> None:
     assert rows[1].shape == (items[1].num_tokens, adapter.embedding_width)
     expected = hf_generate_media(folder, messages, [image, video], 10)
     assert len(expected) == 10
-    assert _greedy(adapter, model, built, rows, 10, chunk=10_000) == expected
-    assert _greedy(adapter, model, built, rows, 10, chunk=7) == expected
+    assert split_greedy(adapter, model, built, rows, 10, chunk=10_000) == expected
+    assert split_greedy(adapter, model, built, rows, 10, chunk=7) == expected
