@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from services.models.base import media_forward_kwargs
+from services.models.lean_decoder import LeanDecoder, StepAttention
 from services.worker.engine.attention import (
     GRAPHED_BY_DEFAULT,
     VARLEN_BACKENDS,
@@ -47,7 +48,8 @@ class ModelRunner:
     """Owns the attention backend, the KV cache (allocated once) and the decode graphs; runs steps.
 
     Built in the steps nano-vllm names, in order, each callable alone: ``resolve_config`` (every automatic
-    setting but the KV bytes), ``kv_bytes_after_warm_up`` (on CUDA a warm-up step profiles memory), ``allocate_kv``
+    setting but the KV bytes), ``choose_forward`` (the lean forward where it is transformers' bit for bit),
+    ``kv_bytes_after_warm_up`` (on CUDA a warm-up step profiles memory), ``allocate_kv``
     and ``capture_graphs``. ``config`` is the given one with everything automatic resolved (backend name, block
     size, graph mode, max model length, KV bytes): the engine adopts it. Invariant: ``kv`` holds ``num_blocks``
     blocks per layer for sequences, plus, with decode graphs, one scratch block (id ``num_blocks``) that no
@@ -68,6 +70,7 @@ class ModelRunner:
                                     self.shape.head_dim)  # fmt: skip
         self.io = HostDevice(self.device)
         install_paged_attention(model)
+        self.lean = self.choose_forward()
         if not config.kv_cache_bytes:
             self.config = config = dataclasses.replace(config, kv_cache_bytes=self.kv_bytes_after_warm_up())
         self.num_blocks, self.kv = self.allocate_kv(config.kv_cache_bytes)
@@ -82,6 +85,19 @@ class ModelRunner:
             self.block_size,
             config.cuda_graphs,
         )
+
+    def choose_forward(self) -> LeanDecoder | None:
+        """The lean language-model forward when its probe matches transformers' forward exactly (the engine's
+        steps then take it, but for steps with DeepStack rows); None keeps transformers' forward."""
+
+        def reference(embeds: torch.Tensor, positions: torch.Tensor, attention: StepAttention) -> torch.Tensor:
+            kwargs = {"attention_mask": _NO_MASK, CONTEXT_KWARG: attention}
+            return self.adapter.forward_hidden(self.model, embeds, positions, **kwargs)
+
+        decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None
+        if decoder is None:
+            return None
+        return LeanDecoder.probe(decoder, reference, self.device, self.dtype)
 
     def kv_bytes_after_warm_up(self) -> int:
         """The KV budget when none is configured: ``CPU_KV_CACHE_BYTES`` off CUDA; on CUDA what
@@ -189,6 +205,8 @@ class ModelRunner:
         embeds = self.adapter.embed_prompt(self.model, packed[:n], step.placed)
         media = media_forward_kwargs(self.adapter, step.placed, n)  # DeepStack levels of the step's media rows
         position_ids = packed[2 * n : 5 * n].view(3, 1, n)
+        if self.lean is not None and not media:
+            return self.lean(embeds[None], position_ids, ctx)[0]
         hidden = self.adapter.forward_hidden(
             self.model, embeds[None], position_ids, attention_mask=_NO_MASK, **media, **{CONTEXT_KWARG: ctx}
         )

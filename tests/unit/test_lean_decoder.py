@@ -1,0 +1,85 @@
+"""The lean language-model forward: taken where its probe matches transformers' forward bit for bit (Qwen2-VL,
+Qwen3-VL), and then the same logits on real engine steps (chunked prefills beside decodes, over paged KV); refused
+by its probe where a layer computes anything else, or takes positions another way (Llava), which keeps
+transformers' forward."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from services.models.registry import load_adapter
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine.request import EngineRequest, SamplingOptions
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+CONFIG = EngineConfig(max_num_batched_tokens=24, max_num_seqs=4)
+"""A small token budget, so the measured step holds a prefill chunk beside decodes."""
+
+
+def _fresh(folder: Path) -> tuple[Any, Any]:
+    adapter = load_adapter(folder)
+    return adapter, adapter.load_model()
+
+
+def _mixed_step_logits(adapter: Any, model: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """One engine step holding decodes and a prefill chunk, rerun with the lean forward and with transformers'."""
+    engine = Engine(adapter, model, CONFIG)
+    assert engine.runner.lean is not None
+    prompts = [[5 + i, 9, 14, 3 + i, 22, 8] * (2 + 3 * i) for i in range(3)]
+    for i, ids in enumerate(prompts):
+        engine.add_request(EngineRequest(f"r{i}", ids, [], SamplingOptions(max_tokens=12, ignore_eos=True)))
+    for _ in range(4):
+        engine.step()
+    chunks = engine.runner.last_chunks
+    assert any(c.num_tokens == 1 for c in chunks) and any(c.num_tokens > 1 for c in chunks), chunks
+    lean = engine.runner.staged_forward(chunks, engine.embeddings)()
+    decoder, engine.runner.lean = engine.runner.lean, None
+    reference = engine.runner.staged_forward(chunks, engine.embeddings)()
+    engine.runner.lean = decoder
+    return lean, reference, engine
+
+
+def test_qwen2_vl_steps_take_the_lean_forward_and_give_transformers_logits(loaded: tuple[Any, Any]) -> None:
+    lean, reference, _ = _mixed_step_logits(*loaded)
+    assert torch.equal(lean, reference)
+
+
+def test_qwen3_vl_steps_take_the_lean_forward_and_give_transformers_logits(tiny_qwen3_vl_dir: Path) -> None:
+    """Qwen3-VL's layers norm each head's queries and keys (q_norm, k_norm) and rotate by interleaved M-RoPE."""
+    lean, reference, _ = _mixed_step_logits(*_fresh(tiny_qwen3_vl_dir))
+    assert torch.equal(lean, reference)
+
+
+def test_a_layer_computing_something_else_keeps_transformers_forward(tiny_model_dir: Path) -> None:
+    """An MLP whose forward is not gate/up/down (here doubled): the lean forward would skip the difference, so
+    its probe refuses it, and the engine's steps go through transformers' forward with the change."""
+    adapter, model = _fresh(tiny_model_dir)
+    mlp = model.get_decoder().layers[1].mlp
+    plain = mlp.forward
+    mlp.forward = types.MethodType(lambda self, x: 2 * plain(x), mlp)
+    engine = Engine(adapter, model, CONFIG)
+    assert engine.runner.lean is None
+    engine.add_request(EngineRequest("r", [5, 9, 14, 3], [], SamplingOptions(max_tokens=3, ignore_eos=True)))
+    while not any(out.finished for out in engine.step()):
+        pass
+
+
+def test_a_sliding_window_layer_is_not_taken(tiny_model_dir: Path) -> None:
+    adapter, model = _fresh(tiny_model_dir)
+    model.get_decoder().layers[0].self_attn.sliding_window = 8
+    runner = Engine(adapter, model, CONFIG).runner
+    assert runner.lean is None
+
+
+def test_llava_keeps_transformers_forward(tiny_llava_dir: Path) -> None:
+    """Llava's Llama takes one row of positions (its adapter passes the first of the engine's three): the lean
+    forward, handing the rotary all three, differs on the probe and is refused."""
+    adapter, model = _fresh(tiny_llava_dir)
+    assert Engine(adapter, model, CONFIG).runner.lean is None
