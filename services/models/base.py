@@ -229,6 +229,14 @@ def placeholder_token_id(adapter: Any, modality: str) -> int:
     return int(adapter.image_token_id)
 
 
+def language_model_positions(adapter: Any, position_ids: torch.Tensor) -> torch.Tensor:
+    """The positions the adapter's language model takes, from the engine's three M-RoPE rows `[3, 1, T]`: the
+    adapter's `language_model_positions` where it has one (Llava's Llama: the first row, `[1, T]`), else the rows
+    as they are (Qwen's models take all three)."""
+    method = getattr(adapter, "language_model_positions", None)
+    return position_ids if method is None else method(position_ids)
+
+
 def media_forward_kwargs(adapter: Any, placed: list[PlacedEmbedding], num_tokens: int) -> dict[str, Any]:
     """What `forward_hidden` takes besides the input embeddings for a step of `num_tokens` rows whose media rows are
     `placed` (as given to `embed_prompt`): the adapter's `media_forward_kwargs` (Qwen3-VL: the DeepStack levels of

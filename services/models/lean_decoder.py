@@ -57,13 +57,19 @@ class _Layer:
 
 
 class LeanDecoder:
-    """``decoder(inputs_embeds [1, T, H], position_ids, attention) -> [1, T, H]``: the language model's last hidden
-    states after its final norm, as its own forward computes them with ``attention`` in every layer.
+    """``decoder(inputs_embeds [1, T, H], position_ids [3, 1, T], attention) -> [1, T, H]``: the language model's
+    last hidden states after its final norm, as its own forward computes them with ``attention`` in every layer.
 
     Invariant: built only by `probe`, which returns one only when its output equals transformers' bit for bit.
     """
 
-    def __init__(self, language_model: nn.Module, layers: list[_Layer]) -> None:
+    def __init__(
+        self,
+        language_model: nn.Module,
+        layers: list[_Layer],
+        positions: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        self.positions = positions
         self.rotary = language_model.rotary_emb
         self.norm = language_model.norm
         self.layers = layers
@@ -75,16 +81,18 @@ class LeanDecoder:
         reference: Callable[[torch.Tensor, torch.Tensor, StepAttention], torch.Tensor],
         device: torch.device,
         dtype: torch.dtype,
+        positions: Callable[[torch.Tensor], torch.Tensor],
     ) -> LeanDecoder | None:
         """A decoder over ``language_model`` when its forward equals ``reference(inputs_embeds, position_ids,
-        attention)`` (transformers' forward as the engine calls it) exactly on random input with causal
-        attention; None, logged, when its layers are not the shape this forward knows or the outputs differ."""
+        attention)`` (transformers' forward as the engine calls it, on the engine's three position rows) exactly
+        on random input with causal attention; None, logged, when its layers are not the shape this forward knows
+        or the outputs differ. ``positions`` turns the engine's rows into what the model's rotary takes."""
         layers = _read_layers(language_model)
         if layers is None:
             log.info("language model forward: transformers' (%s layers are not llama-shaped)",
                      type(language_model).__name__)  # fmt: skip
             return None
-        decoder = cls(language_model, layers)
+        decoder = cls(language_model, layers, positions)
         width = int(language_model.norm.weight.shape[0])
         generator = torch.Generator().manual_seed(0)
         embeds = torch.randn(1, PROBE_TOKENS, width, generator=generator).to(device=device, dtype=dtype)
@@ -110,7 +118,7 @@ class LeanDecoder:
     ) -> torch.Tensor:
         hidden = inputs_embeds
         batch, rows, _ = hidden.shape
-        cos, sin = self.rotary(hidden, position_ids)
+        cos, sin = self.rotary(hidden, self.positions(position_ids))
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for layer in self.layers:
             residual = hidden

@@ -197,9 +197,13 @@ class LlavaAdapter(FolderAdapter):
         mask = kwargs.get("attention_mask")
         if isinstance(mask, dict):
             kwargs["attention_mask"] = mask.get("full_attention")
-        rows = position_ids[0] if position_ids.dim() == 3 else position_ids
+        rows = self.language_model_positions(position_ids)
         out = model.model.language_model(inputs_embeds=inputs_embeds, position_ids=rows, **kwargs)
         return out.last_hidden_state
+
+    def language_model_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """A Llama's `position_ids [1, T]`: the first of the engine's three equal rows `[3, 1, T]`."""
+        return position_ids[0] if position_ids.dim() == 3 else position_ids
 
     def _check_processor_matches_model(self) -> None:
         """The processor must always produce the tower's square input (else token counts would vary)."""

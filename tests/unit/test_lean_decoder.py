@@ -1,6 +1,6 @@
 """The lean language-model forward: taken where its probe matches transformers' forward bit for bit (Qwen2-VL,
-Qwen3-VL), and then the same logits on real engine steps (chunked prefills beside decodes, over paged KV); refused
-by its probe where a layer computes anything else, or takes positions another way (Llava), which keeps
+Qwen3-VL, Llava), and then the same logits on real engine steps (chunked prefills beside decodes, over paged KV);
+refused by its probe where a layer computes anything else or its rotary is handed other positions, which keeps
 transformers' forward."""
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 import torch
 
+from services.models.lean_decoder import LeanDecoder
 from services.models.registry import load_adapter
+from services.worker.engine.attention.backend import CONTEXT_KWARG
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import EngineRequest, SamplingOptions
@@ -78,8 +80,22 @@ def test_a_sliding_window_layer_is_not_taken(tiny_model_dir: Path) -> None:
     assert runner.lean is None
 
 
-def test_llava_keeps_transformers_forward(tiny_llava_dir: Path) -> None:
-    """Llava's Llama takes one row of positions (its adapter passes the first of the engine's three): the lean
-    forward, handing the rotary all three, differs on the probe and is refused."""
+def test_llava_steps_take_the_lean_forward_and_give_transformers_logits(tiny_llava_dir: Path) -> None:
+    """Llava's Llama takes one row of positions: the adapter's `language_model_positions` gives it to both."""
+    lean, reference, _ = _mixed_step_logits(*_fresh(tiny_llava_dir))
+    assert torch.equal(lean, reference)
+
+
+def test_positions_the_rotary_does_not_take_fail_the_probe(tiny_llava_dir: Path) -> None:
+    """Handing Llava's Llama the engine's three rows (as a Qwen takes them) instead of the one its forward gets
+    changes its rotary: refused."""
     adapter, model = _fresh(tiny_llava_dir)
-    assert Engine(adapter, model, CONFIG).runner.lean is None
+    runner = Engine(adapter, model, CONFIG).runner
+
+    def reference(embeds: torch.Tensor, positions: torch.Tensor, attention: Any) -> torch.Tensor:
+        kwargs = {"attention_mask": {"full_attention": None}, CONTEXT_KWARG: attention}
+        return adapter.forward_hidden(model, embeds, positions, **kwargs)
+
+    args = (model.get_decoder(), reference, runner.device, runner.dtype)
+    assert LeanDecoder.probe(*args, positions=adapter.language_model_positions) is not None
+    assert LeanDecoder.probe(*args, positions=lambda rows: rows) is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from typing import Any
 
 import torch
 
-from services.models.base import media_forward_kwargs
+from services.models.base import language_model_positions, media_forward_kwargs
 from services.models.lean_decoder import LeanDecoder, StepAttention
 from services.worker.engine.attention import (
     GRAPHED_BY_DEFAULT,
@@ -97,7 +98,8 @@ class ModelRunner:
         decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None
         if decoder is None:
             return None
-        return LeanDecoder.probe(decoder, reference, self.device, self.dtype)
+        positions = functools.partial(language_model_positions, self.adapter)
+        return LeanDecoder.probe(decoder, reference, self.device, self.dtype, positions)
 
     def kv_bytes_after_warm_up(self) -> int:
         """The KV budget when none is configured: ``CPU_KV_CACHE_BYTES`` off CUDA; on CUDA what
