@@ -9,7 +9,7 @@ import torch
 
 from services.worker.engine.host_device import HostDevice
 from services.worker.engine.request import SamplingOptions
-from services.worker.engine.sampler import Sampler, filter_top_k_top_p
+from services.worker.engine.sampler import Sampler, filter_top_k_top_p, first_argmax
 
 
 def one_row(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -43,6 +43,23 @@ def test_filter_matches_row_by_row() -> None:
             assert torch.equal(torch.isinf(got[row]), torch.isinf(expected)), (ks[row], ps[row])
             kept = ~torch.isinf(expected)
             assert torch.equal(got[row][kept], expected[kept])
+
+
+def test_first_argmax_is_torch_argmax() -> None:
+    """The CPU greedy path (numpy's argmax) takes torch's index: the first of tied maxima, the first NaN, in
+    float32 and float64; other dtypes keep torch's own argmax."""
+    generator = torch.Generator().manual_seed(0)
+    cases = [
+        torch.randint(0, 3, (64, 97), generator=generator).float(),  # many ties
+        torch.randn(8, 562, generator=generator, dtype=torch.float64),
+        torch.tensor([[1.0, float("nan"), 3.0, float("nan")], [float("-inf")] * 4, [float("inf"), 0, float("inf"), 1]]),
+        torch.randn(5, 33, generator=generator).bfloat16(),
+        torch.randn(40, 64, generator=generator)[:, ::2],  # strided rows
+    ]
+    for logits in cases:
+        got = first_argmax(logits)
+        assert got.dtype == torch.int64 and got.device == logits.device
+        assert got.tolist() == logits.argmax(dim=-1).tolist()
 
 
 def test_exponential_race_draws_by_probability() -> None:
