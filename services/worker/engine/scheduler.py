@@ -13,10 +13,14 @@ from services.worker.engine.reservation import ReservationLedger
 from services.worker.engine.sequence import Sequence, SequenceStatus
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ScheduledChunk:
     """Tokens ``[start, start + num_tokens)`` of ``seq`` computed this step; ``samples`` when that reaches
-    the sequence's last token, so a new token is sampled after it."""
+    the sequence's last token, so a new token is sampled after it.
+
+    Read-only by convention, not frozen: a frozen dataclass's ``__init__`` costs ~1 us more, for every row of
+    every step.
+    """
 
     seq: Sequence
     start: int
@@ -103,18 +107,30 @@ class Scheduler:
             self.running.append(seq)
         budget = self.config.max_num_batched_tokens
         prefill = self._prefill_budget(budget, out, spent_s)
+        size, chunks = self.block_manager.block_size, out.chunks
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = self._num_new_tokens(seq, seq.num_computed_tokens, budget, prefill)
-            if num_new == 0 or not self._make_room(seq, seq.num_computed_tokens + num_new, out):
+            computed, num_tokens = seq.num_computed_tokens, len(seq.token_ids)
+            if num_tokens - computed == 1 and seq.grammar is None and not seq.media:
+                # a plain decode (the common row): nothing can block its one token, and its last block
+                # mostly has room; what _num_new_tokens, _make_room and allocate would find, without the calls
+                if len(seq.block_table) * size <= computed:
+                    if not self._make_room(seq, num_tokens, out):
+                        continue
+                    self.block_manager.allocate(seq, num_tokens)
+                chunks.append(ScheduledChunk(seq, computed, 1, True))
+                budget -= 1
                 continue
-            self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
-            out.chunks.append(_chunk(seq, seq.num_computed_tokens, num_new))
+            num_new = self._num_new_tokens(seq, computed, budget, prefill)
+            if num_new == 0 or not self._make_room(seq, computed + num_new, out):
+                continue
+            self.block_manager.allocate(seq, computed + num_new)
+            chunks.append(_chunk(seq, computed, num_new))
             budget -= num_new
-            if seq.num_tokens - seq.num_computed_tokens > 1:
+            if num_tokens - computed > 1:
                 prefill -= num_new
         if not out.preempted:
             self._admit_waiting(budget, prefill, out)
@@ -131,10 +147,11 @@ class Scheduler:
         decodes = prefill_context = decode_context = 0
         prefilling = bool(self.waiting)
         for seq in self.running:
-            lacking = seq.num_tokens - seq.num_computed_tokens
+            num_tokens = len(seq.token_ids)
+            lacking = num_tokens - seq.num_computed_tokens
             if lacking == 1:
                 decodes += 1
-                decode_context += seq.num_tokens
+                decode_context += num_tokens
             elif lacking > 1:
                 prefilling = True
                 prefill_context = max(prefill_context, seq.num_computed_tokens)
