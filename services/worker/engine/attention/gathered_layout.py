@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.worker.engine.scheduler import ScheduledChunk
-from services.worker.engine.step_input import StepInput, extend_table
+from services.worker.engine.step_input import StepInput
 
 GROUP_COST_BLOCKS = 48
 """What one more padded decode group costs (an SDPA call and two gathers), in padded block-rows."""
@@ -70,8 +70,13 @@ def _add_decode_groups(
     lo = 0
     for hi in split_points(widths, group_cost):
         width, table_at = widths[hi - 1], len(ints)
-        for chunk in decodes[lo:hi]:
-            extend_table(ints, chunk.seq.block_table, width)
+        for chunk in decodes[lo:hi]:  # extend_table, inlined: a call per row costs more than the row
+            table = chunk.seq.block_table
+            if len(table) >= width:
+                ints.extend(table[:width])
+            else:
+                ints.extend(table)
+                ints.extend([0] * (width - len(table)))
         layout.decodes.append(DecodeRows(hi - lo, width, table_at, len(ints)))
         ints.extend(lengths[lo:hi])
         lo = hi
@@ -94,10 +99,13 @@ def split_points(widths: list[int], group_cost: int = GROUP_COST_BLOCKS, max_cut
     A group of rows ``[lo, hi)`` costs ``(hi - lo) * widths[hi - 1]`` padded block-rows plus
     ``group_cost``. Dynamic programming over the cut points, which are only where the width changes
     (cutting inside a run of equal widths never helps), at most ``max_cuts`` of them evenly spread so a
-    step pays microseconds for it. The last end is ``len(widths)``; empty for no rows.
+    step pays microseconds for it; none when ``group_cost`` alone outweighs one group's padding (the
+    `cpu-kernel` backend's one group). The last end is ``len(widths)``; empty for no rows.
     """
     if not widths:
         return []
+    if group_cost >= len(widths) * widths[-1]:
+        return [len(widths)]  # k >= 2 groups cost at least 2 x group_cost >= one group's cost: one group
     ends = [i for i in range(1, len(widths)) if widths[i] != widths[i - 1]]
     if len(ends) > max_cuts:
         ends = [ends[(k * len(ends)) // max_cuts] for k in range(max_cuts)]
