@@ -1,4 +1,5 @@
-"""One device-to-host synchronisation per step: the sampled ids and any logprobs, through `HostDevice.to_host`.
+"""One device-to-host synchronisation per step: the sampled ids and any logprobs, through `HostDevice.to_host`
+(or `argmax_to_host`, when every row is plain greedy).
 
 On a GPU every host read of a device value (``tolist``, ``item``, ``bool(tensor)``, a boolean index, ...)
 stalls the host until the device catches up. On the CPU nothing stalls, so the test watches for the
@@ -110,9 +111,10 @@ def test_one_host_read_per_sampling_step(loaded: tuple[Any, Any], backend: str, 
         reads, ops = HostReads(), SyncingOps()
         with reads, ops:
             outputs = engine.step()
-        expected = ["tolist"] if outputs else []
-        assert reads.calls == expected and ops.calls == [], f"step {step}: {reads.calls} {ops.calls}"
-        assert io.downloads - before == len(expected)
+        # the counted read: tolist, or numpy where every row is plain greedy (HostDevice.argmax_to_host on the CPU)
+        allowed = (["tolist"], ["numpy"]) if outputs else ([],)
+        assert reads.calls in allowed and ops.calls == [], f"step {step}: {reads.calls} {ops.calls}"
+        assert io.downloads - before == len(reads.calls)
         for out in outputs:
             choices.add((out.request_id, out.index))
             asked = SAMPLINGS[int(out.request_id[1:])].logprobs

@@ -9,7 +9,7 @@ import torch
 
 from services.worker.engine.host_device import HostDevice
 from services.worker.engine.request import SamplingOptions
-from services.worker.engine.sampler import Sampler, filter_top_k_top_p, first_argmax
+from services.worker.engine.sampler import Sampler, filter_top_k_top_p
 
 
 def one_row(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -45,9 +45,10 @@ def test_filter_matches_row_by_row() -> None:
             assert torch.equal(got[row][kept], expected[kept])
 
 
-def test_first_argmax_is_torch_argmax() -> None:
-    """The CPU greedy path (numpy's argmax) takes torch's index: the first of tied maxima, the first NaN, in
-    float32 and float64; other dtypes keep torch's own argmax."""
+def test_argmax_to_host_is_torch_argmax() -> None:
+    """The greedy read (numpy's argmax of CPU float32/float64 logits) takes torch's index: the first of tied
+    maxima, the first NaN, strided rows too; other dtypes keep torch's own argmax. Each is one counted read."""
+    io = HostDevice(torch.device("cpu"))
     generator = torch.Generator().manual_seed(0)
     cases = [
         torch.randint(0, 3, (64, 97), generator=generator).float(),  # many ties
@@ -57,9 +58,8 @@ def test_first_argmax_is_torch_argmax() -> None:
         torch.randn(40, 64, generator=generator)[:, ::2],  # strided rows
     ]
     for logits in cases:
-        got = first_argmax(logits)
-        assert got.dtype == torch.int64 and got.device == logits.device
-        assert got.tolist() == logits.argmax(dim=-1).tolist()
+        assert io.argmax_to_host(logits) == logits.argmax(dim=-1).tolist()
+    assert io.downloads == len(cases)
 
 
 def test_exponential_race_draws_by_probability() -> None:

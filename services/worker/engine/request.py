@@ -66,6 +66,12 @@ class SamplingOptions:
         )
 
     @cached_property
+    def plain_greedy(self) -> bool:
+        """Greedy with no logits processor and no logprobs: the row's token is its first argmax, nothing more
+        (kept after its first reading, as ``processes_logits``)."""
+        return self.temperature == 0 and self.logprobs is None and not self.processes_logits
+
+    @cached_property
     def penalizes(self) -> bool:
         return self.repetition_penalty != 1 or bool(self.presence_penalty or self.frequency_penalty)
 

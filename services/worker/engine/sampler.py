@@ -3,7 +3,6 @@ per-request seed, logprobs."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from services.worker.engine.host_device import HostDevice
@@ -47,7 +46,7 @@ class Sampler:
         processed = processing_rows(options, histories)
         if processed:
             logits = process_logits(logits, processed, options, histories, self.eos_token_ids, self.io)  # type: ignore[arg-type]
-        tokens = first_argmax(logits)
+        tokens = logits.argmax(dim=-1)
         drawn = [i for i, opts in enumerate(options) if opts.temperature > 0]
         if not drawn:
             return tokens
@@ -87,22 +86,15 @@ class Sampler:
         raw_logits: torch.Tensor | None = None,
     ) -> list[tuple[int, TokenLogprobs | None]]:
         """Per row: the sampled token id and, when its request asks, its logprobs (of ``raw_logits``, the
-        model's before any grammar mask, when ``logits`` are masked); one device-to-host copy."""
+        model's before any grammar mask, when ``logits`` are masked); one device-to-host copy.
+
+        When every row is ``plain_greedy`` (the common decode step) the ids are read as ``io.argmax_to_host``: on
+        the CPU numpy's argmax of the logits as they are, with no tensor made for them."""
+        if all(o.plain_greedy for o in options):
+            return [(token, None) for token in self.io.argmax_to_host(logits)]
         tokens = self.sample(logits, options, generators, histories)
         packed = pack_logprobs(logits if raw_logits is None else raw_logits, tokens, options)
         return unpack_logprobs(self.io.to_host(packed), options)
-
-
-_NUMPY_ARGMAX = (torch.float32, torch.float64)
-
-
-def first_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's first maximal index (ties to the lowest id, NaN counts as the maximum: ``torch.argmax``, which
-    transformers' greedy ``generate`` takes) as ``[N]`` int64 on the logits' device. Float32 and float64 CPU
-    logits go through numpy's argmax, the same index at ~10x less than torch's CPU argmax for a step's rows."""
-    if logits.device.type == "cpu" and logits.dtype in _NUMPY_ARGMAX:
-        return torch.from_numpy(logits.detach().numpy().argmax(axis=-1).astype(np.int64, copy=False))
-    return logits.argmax(dim=-1)
 
 
 def pack_logprobs(logits: torch.Tensor, tokens: torch.Tensor, options: list[SamplingOptions]) -> torch.Tensor:
