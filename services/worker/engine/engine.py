@@ -210,7 +210,10 @@ class Engine:
         sampled, mask = [], None
         if seqs:  # the step's one device-to-host copy: token ids and any logprobs together
             options = [s.sampling for s in seqs]
-            generators = [reseed_for_position(s.generator, s.sampling.seed, s.num_tokens) for s in seqs]
+            generators = [
+                None if s.generator is None else reseed_for_position(s.generator, s.sampling.seed, len(s.token_ids))
+                for s in seqs
+            ]
             logits = run.logits
             mask = self.structured.step_mask([s.grammar for s in seqs])
             if mask is not None:
@@ -226,38 +229,43 @@ class Engine:
             self.kv_connector.export(scheduled.chunks)
         outputs = failed
         verdicts = self.structured.accept(mask, [token for token, _ in sampled]) if mask is not None else {}
+        # a row per sampling sequence: the checks that cost a call (grammar verdict, remote prefill) are skipped
+        # when no row can need them, and the output is built positionally (StepOutput's field order)
+        sending, requests, eos, decodes_on = self.kv_connector.sending, self.requests, self.eos_token_ids, False
         for row, (seq, (token, logprobs)) in enumerate(zip(seqs, sampled, strict=True)):
-            verdict = verdicts.get(row)
+            verdict = verdicts.get(row) if verdicts else None
             if verdict == REFUSED:
                 log.error("request %s: sampled token %d outside its grammar; ended", seq.name, token)
                 self._finish(seq, "error")
                 outputs.append(self._ended(seq, "error"))
                 continue
-            if self.kv_connector.sends(seq):  # a remote prefill: the token goes with the KV, the request ends here
+            if sending and self.kv_connector.sends(seq):  # a remote prefill: the token goes with the KV, it ends here
                 self.kv_connector.send_first_token(seq, token, logprobs)
                 self._finish(seq, "kv_sent")
                 outputs.append(self._ended(seq, "kv_sent"))
                 continue
             seq.append_token(token)
-            reason = seq.stop_reason(self.eos_token_ids)
+            reason = seq.stop_reason(eos)
             if reason is None and verdict == STOPPED:
                 reason = "stop"
             if reason is not None:
                 self._finish(seq, reason)
-            elif timed:
-                self._tokens_at = end  # it decodes next step: that step's time runs from here
+            else:
+                decodes_on = True
             outputs.append(
                 StepOutput(
                     seq.request_id,
                     [token],
-                    finished=reason is not None,
-                    finish_reason=reason,
-                    cached_tokens=seq.num_cached_tokens,
-                    index=seq.index,
-                    logprobs=None if logprobs is None else [logprobs],
-                    request_finished=seq.request_id not in self.requests,
+                    reason is not None,
+                    reason,
+                    seq.num_cached_tokens,
+                    seq.index,
+                    None if logprobs is None else [logprobs],
+                    seq.request_id not in requests,
                 )
             )
+        if decodes_on and timed:
+            self._tokens_at = end  # a sequence decodes next step: that step's time runs from here
         return outputs
 
     def _start_grammars(self) -> list[StepOutput]:
@@ -290,10 +298,12 @@ class Engine:
 
     def _time_step(self, scheduled: SchedulerOutput, seconds: float) -> None:
         shape = StepShape.of(scheduled.chunks)
+        if self.on_step is None:
+            self.step_costs.observe(shape, seconds)
+            return
         predicted = self.step_costs.predict(shape)  # before the model sees this step: an honest error
         self.step_costs.observe(shape, seconds)
-        if self.on_step is not None:
-            self.on_step(StepTiming(shape, seconds, predicted, scheduled.itl_budget))
+        self.on_step(StepTiming(shape, seconds, predicted, scheduled.itl_budget))
 
     def kv_state(self) -> KVState:
         bm, scheduler = self.block_manager, self.scheduler
