@@ -109,9 +109,19 @@ def to_env(config: Any) -> dict[str, str]:
     return out
 
 
+TRANSPORTS = ("grpc", "dist")
+"""How a service pushes tensors to a worker (an encoder's embeddings, a prefill worker's KV): a gRPC client stream,
+or torch.distributed with gRPC carrying control (services/common/transport_dist.py)."""
+
+
 def require_positive(name: str, value: float) -> None:
     if value <= 0:
         raise ConfigError(f"{env_name(name)} must be positive, got {value}")
+
+
+def require_choice(name: str, value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{env_name(name)}: {value!r} is not one of {', '.join(choices)}")
 
 
 @dataclasses.dataclass

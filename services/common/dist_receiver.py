@@ -1,11 +1,13 @@
-"""The worker side of the torch.distributed embedding transport (`transport_dist.py`): the TCPStore every
-pair meets through, one `PairChannel` per encoder, and the items each `PushDist` names received in order."""
+"""The worker side of the torch.distributed transport (`transport_dist.py`): the TCPStore every pair meets
+through, one `PairChannel` per sender (an encoder, or a prefill worker pushing KV), and what each transfer's
+control message names received in order."""
 
 from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -13,7 +15,7 @@ import torch.distributed as dist
 from services.common.rpc.epd.v1 import worker_pb2
 from services.common.transport_dist import (
     BACKENDS,
-    WORKER_RANK,
+    RECEIVER_RANK,
     DistError,
     PairChannel,
     as_timedelta,
@@ -91,7 +93,7 @@ class DistReceiver:
             if request.pair_id in self._pairs:
                 raise DistError(f"pair {request.pair_id} already exists")
             store = self._store_locked(timeout)
-            channel = PairChannel(request.pair_id, request.backend, WORKER_RANK, timeout, self._device)
+            channel = PairChannel(request.pair_id, request.backend, RECEIVER_RANK, timeout, self._device)
             self._pairs[request.pair_id] = channel
             ready = channel.open("", 0, self._address.advertise_host, master=store)
             self._ready[request.pair_id] = ready
@@ -100,19 +102,43 @@ class DistReceiver:
 
     async def receive(self, request: worker_pb2.DistTransfer) -> list[Embedding]:
         """Receive every item `request` names, in order; DistError (pair dropped) on any failure."""
-        with self._lock:
-            channel, ready = self._pairs.get(request.pair_id), self._ready.get(request.pair_id)
-        if channel is None or ready is None:
-            raise DistError(f"unknown or failed pair {request.pair_id!r}; connect again")
-        timeout = request.timeout_s or channel.timeout_s
+        timeout = request.timeout_s or None
         try:
             specs = [(*tensor_spec(item.meta), int(item.tag)) for item in request.items]
-            await wait_bounded(ready, timeout, f"pair {request.pair_id[:8]} set-up")
-            tensors = await wait_bounded(channel.recv(specs), timeout * max(1, len(specs)), "receiving embeddings")
-            return [Embedding(item.mm_hash, tensor) for item, tensor in zip(request.items, tensors, strict=True)]
         except DistError:
             self.drop(request.pair_id)
             raise
+        tensors = await self._run(request.pair_id, lambda channel: channel.recv(specs), len(specs), timeout)
+        return [Embedding(item.mm_hash, tensor) for item, tensor in zip(request.items, tensors, strict=True)]
+
+    async def receive_into(
+        self, pair_id: str, targets: list[tuple[torch.Tensor, int]], timeout_s: float | None = None
+    ) -> int:
+        """Receive each (tensor, tag) in order into that tensor (contiguous, on this receiver's device for the
+        pair's backend); the bytes received. DistError (pair dropped) on any failure, within `timeout_s` (default:
+        the pair's) per tensor."""
+        return await self._run(pair_id, lambda channel: channel.recv_into(targets), len(targets), timeout_s)
+
+    async def _run(self, pair_id: str, op: Any, count: int, timeout_s: float | None) -> Any:
+        with self._lock:
+            channel, ready = self._pairs.get(pair_id), self._ready.get(pair_id)
+        if channel is None or ready is None:
+            raise DistError(f"unknown or failed pair {pair_id!r}; connect again")
+        timeout = timeout_s or channel.timeout_s
+        try:
+            await wait_bounded(ready, timeout, f"pair {pair_id[:8]} set-up")
+            return await wait_bounded(op(channel), timeout * max(1, count), "receiving")
+        except DistError:
+            self.drop(pair_id)
+            raise
+
+    def device_for(self, pair_id: str) -> torch.device:
+        """Where a pair's tensors land (the host for gloo); DistError for an unknown or failed pair."""
+        with self._lock:
+            channel = self._pairs.get(pair_id)
+        if channel is None:
+            raise DistError(f"unknown or failed pair {pair_id!r}; connect again")
+        return channel.device
 
     def drop(self, pair_id: str) -> None:
         with self._lock:

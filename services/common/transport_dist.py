@@ -1,21 +1,24 @@
-"""Embedding transfer by torch.distributed point-to-point between one encoder and one worker.
+"""Tensor transfer by torch.distributed point-to-point between a sending service and one worker.
 
-Per (encoder, worker) pair: a 2-rank process group (worker rank 0, encoder rank 1) that meets
-through a `TCPStore` the worker hosts on its dist port, under a key prefix unique to the pair.
-gRPC carries the control messages (`DistConnect` makes a pair and answers the store's address;
-`PushDist` names each item's mm_hash, dtype, shape and tag) and the bytes go by `send`/`recv` on
-the pair's own thread. The same code serves gloo (CPU tensors) and NCCL (CUDA tensors); the
-encoder names the backend in `DistConnect`.
+Per (sender, worker) pair: a 2-rank process group (the receiving worker rank 0, the sender rank 1) that meets
+through a `TCPStore` the worker hosts on its dist port, under a key prefix unique to the pair. Two senders use
+it: an encoder pushing embeddings (services/encoder/push.py, control `PushDist`) and a prefill worker pushing
+KV chunks to its decode worker (services/worker/kv_transfer.py, control `PushKV` with `KVBlocks.pair_id`).
+gRPC carries the control messages (`DistConnect` makes a pair and answers the store's address; each transfer's
+message names dtypes, shapes and tags) and the bytes go by `send`/`recv` on the pair's own thread. The same code
+serves gloo (CPU tensors) and NCCL (CUDA tensors); the sender names the backend in `DistConnect`.
+`SenderPairs` is the sending side's pairs, one per worker address, made on first use and reused.
 
 Invariants:
 - Every wait is bounded: store connect, group creation, each send and each recv use the pair's
   timeout. A pair that fails or times out once is closed and never used again; the next transfer
   makes a new pair under a new id.
-- One pair runs one operation at a time, in submission order, on its single thread; the sender
-  holds the pair for a whole push, so control messages and sends can never cross.
+- One pair runs one operation at a time, in submission order, on its single thread; a sender holds the
+  pair's lock (`SenderPairs.lock`) from a transfer's control message until its sends completed, so
+  control messages and sends can never cross.
 - Tensors travel as a flat uint8 view of their bytes: any dtype arrives bit-identical. No extra copy:
-  a contiguous tensor on the pair's device is sent as it is; the receiver allocates each item once,
-  in its dtype and shape on its device, and receives into it.
+  a contiguous tensor on the pair's device is sent as it is; the receiver receives into tensors it
+  allocated once, in their dtype and shape on its device.
 - A stalled or failed pair never ends the process: errors surface as DistError; `close` returns at
   once and aborts the communicator; for NCCL the process runs with `NCCL_ENVIRONMENT` (the watchdog
   aborts a failed or timed-out communicator instead of killing the process; no heartbeat monitor).
@@ -31,6 +34,7 @@ import itertools
 import logging
 import os
 import threading
+import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -42,7 +46,7 @@ from services.common import tensor_codec
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-WORKER_RANK, ENCODER_RANK = 0, 1
+RECEIVER_RANK, SENDER_RANK = 0, 1  # the worker that receives; the encoder or prefill worker that sends
 BACKENDS = ("gloo", "nccl")
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
@@ -78,7 +82,7 @@ def prepare_nccl_environment() -> None:
         for name, value in nccl_environment(os.environ).items():
             if name in os.environ:
                 log.warning(
-                    "%s=%s overridden with %s: a failed embedding pair must not end the process",
+                    "%s=%s overridden with %s: a failed torch.distributed pair must not end the process",
                     name,
                     os.environ[name],
                     value,
@@ -208,15 +212,29 @@ class PairChannel:
         `device`; resolves with those tensors, or fails with DistError."""
 
         def run() -> list[torch.Tensor]:
-            out = []
-            for dtype, shape, tag in specs:
-                tensor = torch.empty(shape, dtype=dtype, device=self.device)
-                if tensor.numel():
-                    self._wait(self._live().recv([tensor.view(-1).view(torch.uint8)], self._peer, tag), "recv")
-                out.append(tensor)
+            out = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape, _ in specs]
+            self._recv_all([(tensor, tag) for tensor, (_, _, tag) in zip(out, specs, strict=True)])
             return out
 
         return self._submit(run)
+
+    def recv_into(self, targets: list[tuple[torch.Tensor, int]]) -> Future[int]:
+        """Receive each (tensor, tag) in order into that tensor (contiguous, on `device`: views of one buffer the
+        caller allocated, say); resolves with the bytes received, or fails with DistError."""
+        for tensor, _ in targets:
+            if tensor.device != self.device or not tensor.is_contiguous():
+                raise DistError(f"pair {self.pair_id[:8]} receives into contiguous tensors on {self.device}")
+
+        return self._submit(lambda: self._recv_all(targets))
+
+    def _recv_all(self, targets: list[tuple[torch.Tensor, int]]) -> int:
+        total = 0
+        for tensor, tag in targets:
+            if tensor.numel():  # an empty tensor is all metadata: the sender skips it too
+                flat = tensor.reshape(-1).view(torch.uint8)
+                self._wait(self._live().recv([flat], self._peer, tag), "recv")
+                total += flat.numel()
+        return total
 
     def _submit(self, fn: Callable[[], T]) -> Future[T]:
         try:
@@ -247,6 +265,75 @@ class PairChannel:
         if group is not None:
             name = f"dist-abort-{self.pair_id[:8]}"
             threading.Thread(target=_abort, args=(group, self.pair_id), name=name, daemon=True).start()
+
+
+class SenderPairs:
+    """The sending side's pairs: one per worker address, made on first use and reused until it fails.
+
+    `pair` asks the worker for a new pair (`DistConnect` through `stub(address)`, which answers its store's
+    address) and joins it as rank 1; `drop` closes a failed one, so the next `pair` makes a new one under a new
+    id. `lock(address)` is the asyncio lock a sender holds for each transfer (see the module invariants). Used on
+    one event loop.
+    """
+
+    def __init__(
+        self,
+        stub: Callable[[str], Any],
+        backend: str,
+        hostname: str,
+        timeout_s: float,
+        device: str | torch.device | None = None,
+    ) -> None:
+        self._stub = stub
+        self.backend = backend
+        self._hostname = hostname
+        self.timeout_s = timeout_s
+        self.device = pair_device(backend, device)
+        if backend == "nccl":
+            prepare_nccl_environment()  # at start-up, before any pair thread
+        self._pairs: dict[str, PairChannel] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def current(self, address: str) -> PairChannel | None:
+        """The pair with `address` now (None before the first use and after a drop)."""
+        return self._pairs.get(address)
+
+    def lock(self, address: str) -> asyncio.Lock:
+        return self._locks.setdefault(address, asyncio.Lock())
+
+    async def pair(self, address: str, timeout_s: float) -> PairChannel:
+        """The live pair with `address`, made now if there is none (within `timeout_s`; DistError, or the
+        DistConnect call's grpc error, when that fails). Call with `lock(address)` held."""
+        pair = self._pairs.get(address)
+        if pair is not None and not pair.closed:
+            return pair
+        from services.common.rpc.epd.v1 import worker_pb2
+
+        pair_id = uuid.uuid4().hex
+        request = worker_pb2.DistConnectRequest(pair_id=pair_id, backend=self.backend, timeout_s=self.timeout_s)
+        reply = await self._stub(address).DistConnect(request, timeout=timeout_s)
+        host, _, port = reply.store_addr.rpartition(":")
+        pair = PairChannel(pair_id, self.backend, SENDER_RANK, self.timeout_s, device=self.device)
+        try:
+            await wait_bounded(pair.open(host, int(port), self._hostname), timeout_s, f"pair set-up with {address}")
+        except BaseException:
+            pair.close()
+            raise
+        self._pairs[address] = pair
+        return pair
+
+    def drop(self, address: str, pair: PairChannel | None = None) -> None:
+        """Close the pair with `address` (only if it is still `pair`, when given): the next use makes a new one."""
+        current = self._pairs.get(address)
+        if current is not None and (pair is None or current is pair):
+            del self._pairs[address]
+            current.close()
+        elif pair is not None:
+            pair.close()
+
+    def close(self) -> None:
+        for address in list(self._pairs):
+            self.drop(address)
 
 
 def _dtype_shape(meta: Any) -> tuple[torch.dtype, tuple[int, ...], int]:

@@ -14,9 +14,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from services.common.config import ConfigError, ServiceConfig, env_name, require_positive
+from services.common.config import TRANSPORTS, ConfigError, ServiceConfig, env_name, require_choice, require_positive
 
-TRANSPORTS = ("grpc", "dist")
 DIST_BACKENDS = ("gloo", "nccl")
 
 
@@ -79,14 +78,8 @@ class EncoderConfig(ServiceConfig):
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{env_name(name)} must be >= 0, got {getattr(self, name)}")
-        if self.embedding_transport not in TRANSPORTS:
-            raise ConfigError(
-                f"{env_name('embedding_transport')}: {self.embedding_transport!r} is not one of {', '.join(TRANSPORTS)}"
-            )
-        if self.dist_backend not in DIST_BACKENDS:
-            raise ConfigError(
-                f"{env_name('dist_backend')}: {self.dist_backend!r} is not one of {', '.join(DIST_BACKENDS)}"
-            )
+        require_choice("embedding_transport", self.embedding_transport, TRANSPORTS)
+        require_choice("dist_backend", self.dist_backend, DIST_BACKENDS)
         if self.preprocess_queue and self.preprocess_queue < self.workers:
             raise ConfigError(
                 f"{env_name('preprocess_queue')} ({self.preprocess_queue}) must be at least "

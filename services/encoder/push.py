@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,14 +29,7 @@ import torch
 from services.common import tensor_codec
 from services.common.rpc.epd.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.tls import ClientTls, Dialer
-from services.common.transport_dist import (
-    ENCODER_RANK,
-    DistError,
-    PairChannel,
-    pair_device,
-    prepare_nccl_environment,
-    wait_bounded,
-)
+from services.common.transport_dist import DistError, PairChannel, SenderPairs, wait_bounded
 from services.common.transport_grpc import Embedding, iter_chunks
 
 
@@ -87,7 +79,8 @@ def _on_host(embeddings: list[Embedding]) -> list[Embedding]:
 
 
 class DistPush:
-    """The encoder side of the torch.distributed transport (see module invariants)."""
+    """The encoder side of the torch.distributed transport (see module invariants); its pairs are
+    `SenderPairs` (services/common/transport_dist.py), one per worker."""
 
     def __init__(
         self,
@@ -98,26 +91,20 @@ class DistPush:
         device: str | torch.device | None = None,
     ) -> None:
         self._channels = channels
-        self._backend = backend
-        self._hostname = hostname
         self._timeout_s = timeout_s
-        self.device = pair_device(backend, device)
-        if backend == "nccl":
-            prepare_nccl_environment()  # at start-up, before any pair thread
-        self._pairs: dict[str, PairChannel] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        self.pairs = SenderPairs(channels.stub, backend, hostname, timeout_s, device)
+        self.device = self.pairs.device
 
     async def push(self, address: str, embeddings: list[Embedding], timeout_s: float) -> int:
         """Send `embeddings` to the worker at `address`; returns bytes sent. Raises PushError."""
-        lock = self._locks.setdefault(address, asyncio.Lock())
         try:
             async with asyncio.timeout(timeout_s):
-                async with lock:
-                    pair = await self._pair(address, timeout_s)
+                async with self.pairs.lock(address):
+                    pair = await self.pairs.pair(address, timeout_s)
                     try:
                         return await self._send(pair, address, embeddings, timeout_s)
                     except BaseException:
-                        self._drop(address)
+                        self.pairs.drop(address, pair)
                         raise
         except TimeoutError:
             raise PushError(f"dist push to worker {address} timed out after {timeout_s:.1f}s") from None
@@ -125,25 +112,6 @@ class DistPush:
             raise PushError(f"dist push to worker {address} failed: {exc}") from exc
         except grpc.aio.AioRpcError as exc:
             raise PushError(f"dist push to worker {address} failed: {exc.code().name}: {exc.details()}") from exc
-
-    async def _pair(self, address: str, timeout_s: float) -> PairChannel:
-        pair = self._pairs.get(address)
-        if pair is not None and not pair.closed:
-            return pair
-        pair_id = uuid.uuid4().hex
-        reply = await self._channels.stub(address).DistConnect(
-            worker_pb2.DistConnectRequest(pair_id=pair_id, backend=self._backend, timeout_s=self._timeout_s),
-            timeout=timeout_s,
-        )
-        host, _, port = reply.store_addr.rpartition(":")
-        pair = PairChannel(pair_id, self._backend, ENCODER_RANK, self._timeout_s, device=self.device)
-        try:
-            await wait_bounded(pair.open(host, int(port), self._hostname), timeout_s, f"pair set-up with {address}")
-        except BaseException:
-            pair.close()
-            raise
-        self._pairs[address] = pair
-        return pair
 
     async def _send(self, pair: PairChannel, address: str, embeddings: list[Embedding], timeout_s: float) -> int:
         items, sends = [], []
@@ -164,14 +132,8 @@ class DistPush:
         _, nbytes = await asyncio.gather(control, sent)
         return int(nbytes)
 
-    def _drop(self, address: str) -> None:
-        pair = self._pairs.pop(address, None)
-        if pair is not None:
-            pair.close()
-
     def close(self) -> None:
-        for address in list(self._pairs):
-            self._drop(address)
+        self.pairs.close()
 
 
 class Pusher:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from services.common.config import ConfigError, ServiceConfig, env_name, require_positive
+from services.common.config import TRANSPORTS, ConfigError, ServiceConfig, env_name, require_choice, require_positive
 from services.worker.engine.config import EngineConfig
 
 
@@ -21,6 +21,10 @@ class WorkerConfig(ServiceConfig, EngineConfig):
     embedding_timeout_s: float = dataclasses.field(default=60.0, metadata={"help": "wait per embedding"})
     kv_transfer_timeout_s: float = dataclasses.field(
         default=60.0, metadata={"help": "longest a remote prefill's KV push to its decode worker may take"}
+    )
+    kv_transport: str = dataclasses.field(
+        default="grpc",
+        metadata={"help": "a prefill worker's KV push: grpc, or dist (torch.distributed gloo, gRPC for control)"},
     )
     engine_process: bool = dataclasses.field(
         default=False,
@@ -42,6 +46,7 @@ class WorkerConfig(ServiceConfig, EngineConfig):
             raise ConfigError(str(exc)) from None
         for name in ("embedding_timeout_s", "heartbeat_interval_s", "kv_transfer_timeout_s"):
             require_positive(name, getattr(self, name))
+        require_choice("kv_transport", self.kv_transport, TRANSPORTS)
         if self.engine_process and self.worker_role != "both":
             raise ConfigError(
                 f"{env_name('worker_role')}={self.worker_role} with {env_name('engine_process')}=true: KV transfer "

@@ -41,7 +41,7 @@ from services.worker.engine.request import KV_RECEIVE, KV_SEND, StepOutput
 from services.worker.engine.reservation import NeverFits
 from services.worker.engine_host.host import EngineHost, call_sinks
 from services.worker.engine_host.process_host import EngineGone
-from services.worker.kv_transfer import KVAssembler, KVPusher, is_failure
+from services.worker.kv_transfer import KVAssembler, KVPusher, is_failure, kv_transport, receive_dist_chunk
 from services.worker.messages import by_choice, engine_request, response
 from services.worker.metrics import WorkerMetrics
 from services.worker.relay import Relay, RelayClosed
@@ -85,8 +85,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._relays: dict[str, Relay] = {}  # open relays by id (services/worker/relay.py)
         self._pushers: dict[str, KVPusher] = {}  # remote prefills' KV streams to their decode workers
         self._dialer = Dialer(internal_client(config))
+        if config.kv_transport == "dist" and internal_client(config) is not None:
+            log.warning("EPD_KV_TRANSPORT=dist: KV bytes move over gloo without TLS")
+        hostname = config.address.rpartition(":")[0] or config.host
+        self._kv_transport = kv_transport(config.kv_transport, self._stub, hostname, config.kv_transfer_timeout_s)
         if hasattr(host, "deliver_kv"):
             host.deliver_kv = self._deliver_kv
+
+    def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        return worker_pb2_grpc.WorkerStub(self._dialer.channel(address))
 
     def _mailbox(self) -> LoopMailbox:
         """The one mailbox from the engine thread to this event loop (a step's tokens: one wake-up)."""
@@ -164,8 +171,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         direction = request.kv_transfer.direction if request.HasField("kv_transfer") else ""
         pusher = None
         if direction == KV_SEND:  # open before admitting: the first step's chunks may follow at once
-            stub = worker_pb2_grpc.WorkerStub(self._dialer.channel(request.kv_transfer.peer))
-            pusher = self._pushers[request.request_id] = KVPusher(stub, self._config.kv_transfer_timeout_s)
+            peer, timeout_s = request.kv_transfer.peer, self._config.kv_transfer_timeout_s
+            pusher = KVPusher(self._stub(peer), timeout_s, self._kv_transport, peer)
+            self._pushers[request.request_id] = pusher
         skip_blocks = 0
         try:
             admitted_at = await self._admit(request, context, outputs)
@@ -221,7 +229,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                             raise
                         peer = request.kv_transfer.peer
                         await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push to {peer} failed: {exc}")
-                    self._metrics.kv_transfer_bytes.add(pusher.bytes, {"direction": "sent", "transport": "grpc"})
+                    sent = {"direction": "sent", "transport": self._kv_transport.name}
+                    self._metrics.kv_transfer_bytes.add(pusher.bytes, sent)
                     self._metrics.kv_transfer_seconds.record(time.perf_counter() - start)
                 finished = last.request_finished
                 generated += sum(len(out.new_token_ids) for out in outs)
@@ -320,20 +329,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def PushKV(self, request_iterator, context: grpc.aio.ServicerContext) -> worker_pb2.PushAck:
         """A prefill worker's KV chunks for requests admitted here to receive them, written into the engine's pool
-        in order; a chunk of a request not receiving here (aborted, re-admitted) is dropped by the engine."""
+        in order; a chunk of a request not receiving here (aborted, re-admitted) is dropped by the engine. A chunk
+        naming a torch.distributed pair (`KVBlocks.pair_id`) has its bytes received on that pair's thread; one that
+        fails ends the stream UNAVAILABLE."""
         assembler = KVAssembler()
-        chunks = 0
+        chunks = dist_bytes = 0
         try:
             async for message in request_iterator:
-                chunk = assembler.add(message)
+                if message.pair_id:
+                    assembler.finish()  # a dist chunk never starts inside an inline one
+                    chunk = await receive_dist_chunk(self._dist, message)
+                    dist_bytes += chunk.nbytes
+                else:
+                    chunk = assembler.add(message)
                 if chunk is not None:
                     await asyncio.wrap_future(self._host.receive_kv(chunk))
                     chunks += 1
             assembler.finish()
         except (StreamError, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad KV stream: {exc}")
+        except DistError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV over torch.distributed failed: {exc}")
         self._metrics.kv_transfer_bytes.add(assembler.total_bytes, {"direction": "received", "transport": "grpc"})
-        return worker_pb2.PushAck(items=chunks, bytes=assembler.total_bytes)
+        if dist_bytes:
+            self._metrics.kv_transfer_bytes.add(dist_bytes, {"direction": "received", "transport": "dist"})
+        return worker_pb2.PushAck(items=chunks, bytes=assembler.total_bytes + dist_bytes)
 
     async def DistConnect(
         self,
@@ -362,6 +382,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def close(self) -> None:
         self._dist.close()
+        self._kv_transport.close()
 
     async def Abort(
         self,

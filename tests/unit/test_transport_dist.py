@@ -23,8 +23,8 @@ from services.common import grpc_server
 from services.common.dist_receiver import DistReceiver, ReceiverAddress
 from services.common.rpc.epd.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.transport_dist import (
-    ENCODER_RANK,
     NCCL_ENVIRONMENT,
+    SENDER_RANK,
     DistError,
     PairChannel,
     _wire_bytes,
@@ -53,7 +53,7 @@ def _pair(receiver: DistReceiver, timeout_s: float = 20.0) -> PairChannel:
     pair_id = uuid.uuid4().hex
     reply = receiver.connect(worker_pb2.DistConnectRequest(pair_id=pair_id, backend="gloo", timeout_s=timeout_s))
     host, _, port = reply.store_addr.rpartition(":")
-    sender = PairChannel(pair_id, "gloo", ENCODER_RANK, timeout_s)
+    sender = PairChannel(pair_id, "gloo", SENDER_RANK, timeout_s)
     sender.open(host, int(port), "127.0.0.1").result(timeout=timeout_s + 5)
     return sender
 
@@ -174,14 +174,14 @@ def test_dist_push_reuses_its_pair_and_re_pairs_after_a_failure() -> None:
         try:
             first, second = torch.randn(3, 4), torch.randn(200, 64).to(torch.bfloat16)
             assert await push.push(address, [Embedding("a", first)], 10) == first.nbytes
-            pair = push._pairs[address]
+            pair = push.pairs.current(address)
             await push.push(address, [Embedding("b", second)], 10)
-            assert push._pairs[address] is pair
+            assert push.pairs.current(address) is pair
             servicer.dist.drop(pair.pair_id)  # the worker lost the pair (restart, failure)
             with pytest.raises(PushError, match=f"dist push to worker {address}"):
                 await push.push(address, [Embedding("c", first)], 5)
             await push.push(address, [Embedding("c", first)], 10)  # a new pair
-            assert push._pairs[address].pair_id != pair.pair_id
+            assert push.pairs.current(address).pair_id != pair.pair_id
             assert digest(servicer.received["a"]) == digest(first)
             assert digest(servicer.received["b"]) == digest(second)
             assert digest(servicer.received["c"]) == digest(first)
@@ -329,7 +329,7 @@ def test_prepare_nccl_environment_sets_and_says_what_it_overrides(
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
     assert os.environ["TORCH_NCCL_ENABLE_MONITORING"] == "0"
     assert [r.message for r in caplog.records if "overridden" in r.message] == [
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING=1 overridden with 2: a failed embedding pair must not end the process"
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING=1 overridden with 2: a failed torch.distributed pair must not end the process"
     ]
 
 

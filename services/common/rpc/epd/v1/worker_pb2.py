@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.rpc.epd.v1 import common_pb2 as epd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/worker.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\"F\n\x0eKVTransferSpec\x12\x11\n\tdirection\x18\x01 \x01(\t\x12\x13\n\x0bskip_blocks\x18\x02 \x01(\r\x12\x0c\n\x04peer\x18\x03 \x01(\t\"\xaf\x02\n\x08KVBlocks\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12 \n\x04keys\x18\x04 \x01(\x0b\x32\x12.epd.v1.TensorMeta\x12\"\n\x06values\x18\x05 \x01(\x0b\x32\x12.epd.v1.TensorMeta\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x0c\n\x04last\x18\x07 \x01(\x08\x12\x17\n\x0fhas_first_token\x18\x08 \x01(\x08\x12\x13\n\x0b\x66irst_token\x18\t \x01(\r\x12,\n\x0e\x66irst_logprobs\x18\n \x01(\x0b\x32\x14.epd.v1.TokenLogprob\x12\x14\n\x0chas_logprobs\x18\x0b \x01(\x08\x12\x12\n\nrope_delta\x18\x0c \x01(\x03\"\x8b\x02\n\rWorkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1f\n\x05media\x18\x03 \x03(\x0b\x32\x10.epd.v1.MediaRef\x12(\n\x08sampling\x18\x04 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x1b\n\x13\x65mbedding_timeout_s\x18\x06 \x01(\x01\x12\x18\n\x10generated_tokens\x18\x07 \x01(\r\x12\x10\n\x08relay_id\x18\x08 \x01(\t\x12+\n\x0bkv_transfer\x18\t \x01(\x0b\x32\x16.epd.v1.KVTransferSpec\"\x94\x02\n\x0eWorkerResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x15\n\rencode_wait_s\x18\x06 \x01(\x01\x12\x10\n\x08\x61\x64mitted\x18\x07 \x01(\x08\x12\x10\n\x08state_at\x18\x08 \x01(\x01\x12\r\n\x05index\x18\t \x01(\r\x12&\n\x08logprobs\x18\n \x03(\x0b\x32\x14.epd.v1.TokenLogprob\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x16\n\x0ekv_skip_blocks\x18\x0c \x01(\r\"\x1d\n\tRelayOpen\x12\x10\n\x08relay_id\x18\x01 \x01(\t\"7\n\nRelayBatch\x12)\n\tresponses\x18\x01 \x03(\x0b\x32\x16.epd.v1.WorkerResponse\"_\n\x0e\x45mbeddingChunk\x12\x0f\n\x07mm_hash\x18\x01 \x01(\t\x12 \n\x04meta\x18\x02 \x01(\x0b\x32\x12.epd.v1.TensorMeta\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\"\'\n\x07PushAck\x12\r\n\x05items\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"I\n\x12\x44istConnectRequest\x12\x0f\n\x07pair_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"&\n\x10\x44istConnectReply\x12\x12\n\nstore_addr\x18\x01 \x01(\t\"J\n\x08\x44istItem\x12\x0f\n\x07mm_hash\x18\x01 \x01(\t\x12 \n\x04meta\x18\x02 \x01(\x0b\x32\x12.epd.v1.TensorMeta\x12\x0b\n\x03tag\x18\x03 \x01(\r\"S\n\x0c\x44istTransfer\x12\x0f\n\x07pair_id\x18\x01 \x01(\t\x12\x1f\n\x05items\x18\x02 \x03(\x0b\x32\x10.epd.v1.DistItem\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x32\x8e\x03\n\x06Worker\x12;\n\x08Generate\x12\x15.epd.v1.WorkerRequest\x1a\x16.epd.v1.WorkerResponse0\x01\x12;\n\x0ePushEmbeddings\x12\x16.epd.v1.EmbeddingChunk\x1a\x0f.epd.v1.PushAck(\x01\x12\x31\n\x05\x41\x62ort\x12\x14.epd.v1.AbortRequest\x1a\x12.epd.v1.AbortReply\x12\x43\n\x0b\x44istConnect\x12\x1a.epd.v1.DistConnectRequest\x1a\x18.epd.v1.DistConnectReply\x12\x31\n\x08PushDist\x12\x14.epd.v1.DistTransfer\x1a\x0f.epd.v1.PushAck\x12\x30\n\x05Relay\x12\x11.epd.v1.RelayOpen\x1a\x12.epd.v1.RelayBatch0\x01\x12-\n\x06PushKV\x12\x10.epd.v1.KVBlocks\x1a\x0f.epd.v1.PushAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/worker.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\"F\n\x0eKVTransferSpec\x12\x11\n\tdirection\x18\x01 \x01(\t\x12\x13\n\x0bskip_blocks\x18\x02 \x01(\r\x12\x0c\n\x04peer\x18\x03 \x01(\t\"\xe6\x02\n\x08KVBlocks\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12 \n\x04keys\x18\x04 \x01(\x0b\x32\x12.epd.v1.TensorMeta\x12\"\n\x06values\x18\x05 \x01(\x0b\x32\x12.epd.v1.TensorMeta\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x0c\n\x04last\x18\x07 \x01(\x08\x12\x17\n\x0fhas_first_token\x18\x08 \x01(\x08\x12\x13\n\x0b\x66irst_token\x18\t \x01(\r\x12,\n\x0e\x66irst_logprobs\x18\n \x01(\x0b\x32\x14.epd.v1.TokenLogprob\x12\x14\n\x0chas_logprobs\x18\x0b \x01(\x08\x12\x12\n\nrope_delta\x18\x0c \x01(\x03\x12\x0f\n\x07pair_id\x18\r \x01(\t\x12\x10\n\x08keys_tag\x18\x0e \x01(\r\x12\x12\n\nvalues_tag\x18\x0f \x01(\r\"\x8b\x02\n\rWorkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1f\n\x05media\x18\x03 \x03(\x0b\x32\x10.epd.v1.MediaRef\x12(\n\x08sampling\x18\x04 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x1b\n\x13\x65mbedding_timeout_s\x18\x06 \x01(\x01\x12\x18\n\x10generated_tokens\x18\x07 \x01(\r\x12\x10\n\x08relay_id\x18\x08 \x01(\t\x12+\n\x0bkv_transfer\x18\t \x01(\x0b\x32\x16.epd.v1.KVTransferSpec\"\x94\x02\n\x0eWorkerResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x15\n\rencode_wait_s\x18\x06 \x01(\x01\x12\x10\n\x08\x61\x64mitted\x18\x07 \x01(\x08\x12\x10\n\x08state_at\x18\x08 \x01(\x01\x12\r\n\x05index\x18\t \x01(\r\x12&\n\x08logprobs\x18\n \x03(\x0b\x32\x14.epd.v1.TokenLogprob\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x16\n\x0ekv_skip_blocks\x18\x0c \x01(\r\"\x1d\n\tRelayOpen\x12\x10\n\x08relay_id\x18\x01 \x01(\t\"7\n\nRelayBatch\x12)\n\tresponses\x18\x01 \x03(\x0b\x32\x16.epd.v1.WorkerResponse\"_\n\x0e\x45mbeddingChunk\x12\x0f\n\x07mm_hash\x18\x01 \x01(\t\x12 \n\x04meta\x18\x02 \x01(\x0b\x32\x12.epd.v1.TensorMeta\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\"\'\n\x07PushAck\x12\r\n\x05items\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"I\n\x12\x44istConnectRequest\x12\x0f\n\x07pair_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"&\n\x10\x44istConnectReply\x12\x12\n\nstore_addr\x18\x01 \x01(\t\"J\n\x08\x44istItem\x12\x0f\n\x07mm_hash\x18\x01 \x01(\t\x12 \n\x04meta\x18\x02 \x01(\x0b\x32\x12.epd.v1.TensorMeta\x12\x0b\n\x03tag\x18\x03 \x01(\r\"S\n\x0c\x44istTransfer\x12\x0f\n\x07pair_id\x18\x01 \x01(\t\x12\x1f\n\x05items\x18\x02 \x03(\x0b\x32\x10.epd.v1.DistItem\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x32\x8e\x03\n\x06Worker\x12;\n\x08Generate\x12\x15.epd.v1.WorkerRequest\x1a\x16.epd.v1.WorkerResponse0\x01\x12;\n\x0ePushEmbeddings\x12\x16.epd.v1.EmbeddingChunk\x1a\x0f.epd.v1.PushAck(\x01\x12\x31\n\x05\x41\x62ort\x12\x14.epd.v1.AbortRequest\x1a\x12.epd.v1.AbortReply\x12\x43\n\x0b\x44istConnect\x12\x1a.epd.v1.DistConnectRequest\x1a\x18.epd.v1.DistConnectReply\x12\x31\n\x08PushDist\x12\x14.epd.v1.DistTransfer\x1a\x0f.epd.v1.PushAck\x12\x30\n\x05Relay\x12\x11.epd.v1.RelayOpen\x1a\x12.epd.v1.RelayBatch0\x01\x12-\n\x06PushKV\x12\x10.epd.v1.KVBlocks\x1a\x0f.epd.v1.PushAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,31 +35,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVTRANSFERSPEC']._serialized_start=52
   _globals['_KVTRANSFERSPEC']._serialized_end=122
   _globals['_KVBLOCKS']._serialized_start=125
-  _globals['_KVBLOCKS']._serialized_end=428
-  _globals['_WORKERREQUEST']._serialized_start=431
-  _globals['_WORKERREQUEST']._serialized_end=698
-  _globals['_WORKERRESPONSE']._serialized_start=701
-  _globals['_WORKERRESPONSE']._serialized_end=977
-  _globals['_RELAYOPEN']._serialized_start=979
-  _globals['_RELAYOPEN']._serialized_end=1008
-  _globals['_RELAYBATCH']._serialized_start=1010
-  _globals['_RELAYBATCH']._serialized_end=1065
-  _globals['_EMBEDDINGCHUNK']._serialized_start=1067
-  _globals['_EMBEDDINGCHUNK']._serialized_end=1162
-  _globals['_PUSHACK']._serialized_start=1164
-  _globals['_PUSHACK']._serialized_end=1203
-  _globals['_ABORTREQUEST']._serialized_start=1205
-  _globals['_ABORTREQUEST']._serialized_end=1239
-  _globals['_ABORTREPLY']._serialized_start=1241
-  _globals['_ABORTREPLY']._serialized_end=1268
-  _globals['_DISTCONNECTREQUEST']._serialized_start=1270
-  _globals['_DISTCONNECTREQUEST']._serialized_end=1343
-  _globals['_DISTCONNECTREPLY']._serialized_start=1345
-  _globals['_DISTCONNECTREPLY']._serialized_end=1383
-  _globals['_DISTITEM']._serialized_start=1385
-  _globals['_DISTITEM']._serialized_end=1459
-  _globals['_DISTTRANSFER']._serialized_start=1461
-  _globals['_DISTTRANSFER']._serialized_end=1544
-  _globals['_WORKER']._serialized_start=1547
-  _globals['_WORKER']._serialized_end=1945
+  _globals['_KVBLOCKS']._serialized_end=483
+  _globals['_WORKERREQUEST']._serialized_start=486
+  _globals['_WORKERREQUEST']._serialized_end=753
+  _globals['_WORKERRESPONSE']._serialized_start=756
+  _globals['_WORKERRESPONSE']._serialized_end=1032
+  _globals['_RELAYOPEN']._serialized_start=1034
+  _globals['_RELAYOPEN']._serialized_end=1063
+  _globals['_RELAYBATCH']._serialized_start=1065
+  _globals['_RELAYBATCH']._serialized_end=1120
+  _globals['_EMBEDDINGCHUNK']._serialized_start=1122
+  _globals['_EMBEDDINGCHUNK']._serialized_end=1217
+  _globals['_PUSHACK']._serialized_start=1219
+  _globals['_PUSHACK']._serialized_end=1258
+  _globals['_ABORTREQUEST']._serialized_start=1260
+  _globals['_ABORTREQUEST']._serialized_end=1294
+  _globals['_ABORTREPLY']._serialized_start=1296
+  _globals['_ABORTREPLY']._serialized_end=1323
+  _globals['_DISTCONNECTREQUEST']._serialized_start=1325
+  _globals['_DISTCONNECTREQUEST']._serialized_end=1398
+  _globals['_DISTCONNECTREPLY']._serialized_start=1400
+  _globals['_DISTCONNECTREPLY']._serialized_end=1438
+  _globals['_DISTITEM']._serialized_start=1440
+  _globals['_DISTITEM']._serialized_end=1514
+  _globals['_DISTTRANSFER']._serialized_start=1516
+  _globals['_DISTTRANSFER']._serialized_end=1599
+  _globals['_WORKER']._serialized_start=1602
+  _globals['_WORKER']._serialized_end=2000
 # @@protoc_insertion_point(module_scope)

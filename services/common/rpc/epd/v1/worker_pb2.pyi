@@ -18,7 +18,7 @@ class KVTransferSpec(_message.Message):
     def __init__(self, direction: _Optional[str] = ..., skip_blocks: _Optional[int] = ..., peer: _Optional[str] = ...) -> None: ...
 
 class KVBlocks(_message.Message):
-    __slots__ = ("request_id", "first_block", "num_tokens", "keys", "values", "data", "last", "has_first_token", "first_token", "first_logprobs", "has_logprobs", "rope_delta")
+    __slots__ = ("request_id", "first_block", "num_tokens", "keys", "values", "data", "last", "has_first_token", "first_token", "first_logprobs", "has_logprobs", "rope_delta", "pair_id", "keys_tag", "values_tag")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,9 @@ class KVBlocks(_message.Message):
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     HAS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ROPE_DELTA_FIELD_NUMBER: _ClassVar[int]
+    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_TAG_FIELD_NUMBER: _ClassVar[int]
+    VALUES_TAG_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_block: int
     num_tokens: int
@@ -43,7 +46,10 @@ class KVBlocks(_message.Message):
     first_logprobs: _common_pb2.TokenLogprob
     has_logprobs: bool
     rope_delta: int
-    def __init__(self, request_id: _Optional[str] = ..., first_block: _Optional[int] = ..., num_tokens: _Optional[int] = ..., keys: _Optional[_Union[_common_pb2.TensorMeta, _Mapping]] = ..., values: _Optional[_Union[_common_pb2.TensorMeta, _Mapping]] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., has_first_token: _Optional[bool] = ..., first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., has_logprobs: _Optional[bool] = ..., rope_delta: _Optional[int] = ...) -> None: ...
+    pair_id: str
+    keys_tag: int
+    values_tag: int
+    def __init__(self, request_id: _Optional[str] = ..., first_block: _Optional[int] = ..., num_tokens: _Optional[int] = ..., keys: _Optional[_Union[_common_pb2.TensorMeta, _Mapping]] = ..., values: _Optional[_Union[_common_pb2.TensorMeta, _Mapping]] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., has_first_token: _Optional[bool] = ..., first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., has_logprobs: _Optional[bool] = ..., rope_delta: _Optional[int] = ..., pair_id: _Optional[str] = ..., keys_tag: _Optional[int] = ..., values_tag: _Optional[int] = ...) -> None: ...
 
 class WorkerRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "media", "sampling", "cache_salt", "embedding_timeout_s", "generated_tokens", "relay_id", "kv_transfer")

@@ -102,7 +102,8 @@ class WorkerServicer:
 
     def DistConnect(self, request, context):
         """torch.distributed transport (services/common/transport_dist.py): gRPC carries the control
-        messages, the tensor bytes go by send/recv in a 2-rank process group per (encoder, worker) pair.
+        messages, the tensor bytes go by send/recv in a 2-rank process group per (sender, worker) pair: an
+        encoder's embeddings (PushDist) or a prefill worker's KV (PushKV with `KVBlocks.pair_id`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
