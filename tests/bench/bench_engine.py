@@ -61,14 +61,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="mean gap between arrivals (small enough that both runs outlast the arrivals: a throughput figure)",
     )
     parser.add_argument("--baseline-batch", type=int, default=16, help="static batch size for generate")
+    served = EngineConfig()  # the engine's own defaults, as a worker serves with them
     parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=128, help="engine token budget per step (decodes + prefill)"
+        "--max-num-batched-tokens",
+        type=int,
+        default=served.max_num_batched_tokens,
+        help="engine token budget per step (decodes + prefill)",
     )
-    parser.add_argument("--max-num-seqs", type=int, default=32, help="engine sequence cap")
+    parser.add_argument("--max-num-seqs", type=int, default=served.max_num_seqs, help="engine sequence cap")
     parser.add_argument(
         "--prefill-tokens-per-free-seq",
         type=int,
-        default=2,
+        default=served.prefill_tokens_per_free_seq,
         help="decode priority: prefill tokens a step may take per sequence slot not decoding (0: off)",
     )
     parser.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
