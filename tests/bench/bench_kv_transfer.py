@@ -4,13 +4,15 @@ One real decode worker (`EPD_WORKER_ROLE=decode`, its own process, a private Red
 or made (`make_tiny_model`, `--text-width` 512 x `--text-layers` 8 by default, 2 KV heads: 16 KiB of KV
 per prompt token in float32); the blocks' shape, dtype and block size are the ones it publishes in its KV
 layout identity. This process plays the prefill worker: each round pushes `--requests` prompts of
-`--prompt-tokens` tokens, `--chunk-tokens` per chunk, each request on its own `Worker.PushKV` stream
-(services/worker/kv_transfer.py: ~1 MiB messages, the decode worker rebuilds every chunk and hands it to its
-engine thread, which drops it, since no request there is receiving it: a measurement of the transfer itself,
-not of a prefill), all at once; the time runs from the first message to the last acknowledgement. The baseline
-copies the same tensors in memory (`torch.Tensor.clone`) in this process. Printed: per transport MB/s p50
-over `--rounds` rounds (the first is a warm-up, not counted) and its ratio to the copy's, then one JSON line.
-The torch.distributed transport for KV is not built (docs/disaggregation.md): it is listed as such.
+`--prompt-tokens` tokens, `--chunk-tokens` per chunk, each request on its own `Worker.PushKV` stream, all at once,
+by each KV transport (services/worker/kv_transfer.py): `grpc` (~1 MiB messages, the decode worker rebuilds every
+chunk on its event loop) and `gloo` (`EPD_KV_TRANSPORT=dist`: one message per chunk, the bytes over the one
+torch.distributed pair this process keeps with the worker, received on the pair's thread). The decode worker
+hands every chunk to its engine thread, which drops it, since no request there is receiving it: a measurement of
+the transfer itself, not of a prefill. The time runs from the first message to the last acknowledgement. The
+baseline copies the same tensors in memory (`torch.Tensor.clone`) in this process. The transports alternate
+which goes first each round. Printed: per transport MB/s p50 over `--rounds` rounds (the first is a warm-up, not
+counted: it makes the gloo pair) and its ratio to the copy's, then one JSON line.
 Run: `epd bench kv-transfer [--quick]`.
 """
 
@@ -24,6 +26,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,29 +51,56 @@ def _chunks(layout: dict, tokens: int, chunk_tokens: int, request_id: str) -> li
     return out
 
 
-async def _push_all(address: str, requests: list[list], timeout_s: float) -> float:
-    """Every request's chunks on its own PushKV stream, all at once; seconds to the last acknowledgement."""
+async def _push_all(stub: Any, address: str, requests: list[list], timeout_s: float, transport: Any) -> float:
+    """Every request's chunks on its own PushKV stream by ``transport``, all at once; seconds to the last
+    acknowledgement."""
+    from services.worker.kv_transfer import KVPusher
+
+    start = time.perf_counter()
+    pushers = [KVPusher(stub, timeout_s, transport, address) for _ in requests]
+    for pusher, chunks in zip(pushers, requests, strict=True):
+        for chunk in chunks:
+            pusher.put(chunk)
+        pusher.close()
+    acks = await asyncio.gather(*(p.ack() for p in pushers))
+    seconds = time.perf_counter() - start
+    sent = sum(c.nbytes for chunks in requests for c in chunks)
+    received = sum(a.bytes for a in acks)
+    if received != sent:
+        raise RuntimeError(f"the decode worker acknowledged {received} bytes of {sent} ({transport.name})")
+    return seconds
+
+
+async def _rounds(address: str, layout: dict, args: argparse.Namespace) -> tuple[list[dict[str, float]], int]:
+    """Each round's MB/s per transport and for the copy; the bytes a round moves."""
     import grpc
 
     from services.common.grpc_server import channel_options
     from services.common.rpc.epd.v1 import worker_pb2_grpc
-    from services.worker.kv_transfer import KVPusher
+    from services.worker.kv_transfer import kv_transport
 
     async with grpc.aio.insecure_channel(address, options=channel_options()) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
-        start = time.perf_counter()
-        pushers = [KVPusher(stub, timeout_s) for _ in requests]
-        for pusher, chunks in zip(pushers, requests, strict=True):
-            for chunk in chunks:
-                pusher.put(chunk)
-            pusher.close()
-        acks = await asyncio.gather(*(p.ack() for p in pushers))
-        seconds = time.perf_counter() - start
-    sent = sum(c.nbytes for chunks in requests for c in chunks)
-    received = sum(a.bytes for a in acks)
-    if received != sent:
-        raise RuntimeError(f"the decode worker acknowledged {received} bytes of {sent}")
-    return seconds
+        transports = {"grpc": kv_transport("grpc", lambda _: stub, "127.0.0.1", 300.0)}
+        transports["gloo"] = kv_transport("dist", lambda _: stub, "127.0.0.1", 300.0)
+        rounds = []
+        try:
+            for k in range(args.rounds):
+                requests = [
+                    _chunks(layout, args.prompt_tokens, args.chunk_tokens, f"bench-{k}-{i}")
+                    for i in range(args.requests)
+                ]
+                nbytes = sum(c.nbytes for chunks in requests for c in chunks)
+                figures = {"copy": nbytes / _copy_seconds(requests) / MB}
+                for name in sorted(transports, reverse=k % 2 == 1):
+                    figures[name] = nbytes / await _push_all(stub, address, requests, 300.0, transports[name]) / MB
+                rounds.append(figures)
+            if transports["gloo"].inline_chunks:
+                raise RuntimeError(f"{transports['gloo'].inline_chunks} chunks went inline: no gloo pair was made")
+        finally:
+            for transport in transports.values():
+                transport.close()
+    return rounds, nbytes
 
 
 def _copy_seconds(requests: list[list]) -> float:
@@ -131,23 +161,15 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.1)
             registry.close()
             layout = members[0].state["kv_layout"]
-            rounds = []
-            for k in range(args.rounds):
-                requests = [
-                    _chunks(layout, args.prompt_tokens, args.chunk_tokens, f"bench-{k}-{i}")
-                    for i in range(args.requests)
-                ]
-                nbytes = sum(c.nbytes for chunks in requests for c in chunks)
-                grpc_s = asyncio.run(_push_all(worker.address, requests, 300.0))
-                rounds.append((nbytes / grpc_s / MB, nbytes / _copy_seconds(requests) / MB))
+            rounds, nbytes = asyncio.run(_rounds(worker.address, layout, args))
     finally:
         if worker is not None:
             worker.popen.terminate()
             worker.popen.wait(30)
         redis.stop()
     counted = rounds[1:] or rounds
-    grpc_mb_s = statistics.median(r[0] for r in counted)
-    copy_mb_s = statistics.median(r[1] for r in counted)
+    medians = {name: statistics.median(r[name] for r in counted) for name in ("copy", "grpc", "gloo")}
+    copy_mb_s = medians["copy"]
     per_token = nbytes / (args.requests * args.prompt_tokens)
     print(
         f"KV layout {layout['num_layers']} layers x {layout['kv_heads']} KV heads x {layout['head_dim']} "
@@ -156,14 +178,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.chunk_tokens}-token chunks, {len(counted)} rounds counted; load average {os.getloadavg()[0]:.1f}"
     )
     print(f"memory copy  {copy_mb_s:9.1f} MB/s")
-    print(f"grpc         {grpc_mb_s:9.1f} MB/s  ({grpc_mb_s / copy_mb_s:.3f} x the copy)")
-    print("gloo         not built (the torch.distributed KV transport: docs/disaggregation.md)")
+    for name in ("grpc", "gloo"):
+        print(f"{name:<12} {medians[name]:9.1f} MB/s  ({medians[name] / copy_mb_s:.3f} x the copy)")
     report = {
         "bytes_per_round": nbytes,
         "kib_per_token": per_token / 1024,
         "memcpy_mb_s": copy_mb_s,
-        "transports": {"grpc": {"mb_s": grpc_mb_s, "ratio_to_memcpy": grpc_mb_s / copy_mb_s}, "gloo": None},
-        "rounds_mb_s": [[round(g, 1), round(c, 1)] for g, c in rounds],
+        "transports": {
+            name: {"mb_s": medians[name], "ratio_to_memcpy": medians[name] / copy_mb_s} for name in ("grpc", "gloo")
+        },
+        "rounds_mb_s": [{name: round(value, 1) for name, value in r.items()} for r in rounds],
         "load_average": os.getloadavg()[0],
     }
     print(json.dumps(report))
