@@ -44,8 +44,10 @@ thread of those processes, set again before each episode): each pool on a device
 cluster. `--itl-target-ms` gives both clusters that target (default none). Printed as above per run, then
 `pd_stall_over_quiet_p99` (the P/D run's typical worst stall over its quiet p99; the goal is at most 1.5),
 `ttft_cost` (the P/D run's image TTFT p50 over the co-located one's) and the remote prefills the P/D router
-counted.
-Run: `epd bench burst [--quick] [--itl-target-ms MS]`, `epd bench burst --pd [--quick]`.
+counted. `--kv-transport grpc,dist` runs one P/D cluster per KV transport named (`EPD_KV_TRANSPORT` of its
+workers; default `grpc`), all their episodes alternating with the co-located one's, each printed and in the
+JSON line (`pd_runs`, `stall_ratio`), the first also as `pd_run`.
+Run: `epd bench burst [--quick] [--itl-target-ms MS]`, `epd bench burst --pd [--quick] [--kv-transport grpc,dist]`.
 """
 
 from __future__ import annotations
@@ -346,51 +348,69 @@ async def run_pd(
     threshold: int,
     env: dict[str, str],
     target_ms: float = 0.0,
-) -> tuple[RunResult, RunResult]:
-    """The co-located cluster and the P/D one, both pinned (`pin_pools`), both with ``target_ms`` (0: none), their
-    episodes alternating (co-located first); databases 0 and 1 of ``redis_url``'s server as in `run_both`."""
+    kv_transports: tuple[str, ...] = ("grpc",),
+) -> tuple[RunResult, dict[str, RunResult]]:
+    """The co-located cluster and one P/D cluster per KV transport in ``kv_transports``, all pinned (`pin_pools`),
+    all with ``target_ms`` (0: none), their episodes alternating (co-located first); databases 0, 1, ... of
+    ``redis_url``'s server as in `run_both`. Returns the co-located run and the P/D runs by transport."""
     base = redis_url.rsplit("/", 1)[0]
     colocated = await BenchCluster.open(model, f"{base}/0", settings, images, target_ms, env, pinned=True)
+    splits: dict[str, BenchCluster] = {}
     try:
-        split = await BenchCluster.open(
-            model, f"{base}/1", settings, images, target_ms, env, prefill_workers=1, pd_min_prefill_tokens=threshold,
-            pinned=True,
-        )  # fmt: skip
-        try:
-            for k in range(settings.bursts):
-                await colocated.episode(f"colocated-{k}")
-                await split.episode(f"pd-{k}")
-        finally:
-            await split.close()
+        for db, transport in enumerate(kv_transports, start=1):
+            splits[transport] = await BenchCluster.open(
+                model, f"{base}/{db}", settings, images, target_ms, {**env, "EPD_KV_TRANSPORT": transport},
+                prefill_workers=1, pd_min_prefill_tokens=threshold, pinned=True,
+            )  # fmt: skip
+        for k in range(settings.bursts):
+            await colocated.episode(f"colocated-{k}")
+            for transport, split in splits.items():
+                await split.episode(f"pd-{transport}-{k}")
     finally:
+        for split in splits.values():
+            await split.close()
         await colocated.close()
-    return colocated.result, split.result
+    return colocated.result, {transport: split.result for transport, split in splits.items()}
 
 
-def _pd_report(colocated: RunResult, split: RunResult, settings: Settings, threshold: int, target_ms: float) -> dict:
-    """The figures of both runs and the P/D comparison, as printed and in the JSON line."""
-    local, pd = summarize(colocated, settings), summarize(split, settings)
+def _pd_report(
+    colocated: RunResult, splits: dict[str, RunResult], settings: Settings, threshold: int, target_ms: float
+) -> dict:
+    """The figures of every run and the P/D comparison, as printed and in the JSON line (the first P/D run's
+    figures also under the keys a single P/D run has)."""
+    local = summarize(colocated, settings)
     _print_run("co-located", local)
-    _print_run("P/D", pd)
-    pd["remote_prefills"] = split.remote_prefills
+    runs = {}
+    for transport, split in splits.items():
+        runs[transport] = pd = summarize(split, settings)
+        _print_run(f"P/D ({transport})", pd)
+        pd["remote_prefills"] = split.remote_prefills
+        pd["ttft_cost"] = pd["image_ttft_p50_ms"] / local["image_ttft_p50_ms"]
+    first = next(iter(runs))
+    pd = runs[first]
     report = {
         "pd": True,
         "pd_min_prefill_tokens": threshold,
         "itl_target_ms": target_ms,
-        "stall_ratio": {"colocated": local["stall_ratio"], "pd": pd["stall_ratio"]},
+        "kv_transports": list(runs),
+        "stall_ratio": {"colocated": local["stall_ratio"], "pd": pd["stall_ratio"]}
+        | {f"pd_{transport}": figures["stall_ratio"] for transport, figures in runs.items()},
         "pd_stall_over_quiet_p99": pd["stall_ratio"],
         "pd_stall_goal_met": pd["stall_ratio"] <= 1.5,
-        "ttft_cost": pd["image_ttft_p50_ms"] / local["image_ttft_p50_ms"],
-        "remote_prefills": split.remote_prefills,
+        "ttft_cost": pd["ttft_cost"],
+        "remote_prefills": pd["remote_prefills"],
         "colocated": local,
         "pd_run": pd,
+        "pd_runs": runs,
     }
-    print(
-        f"P/D: typical worst stall {pd['typical_worst_stall_ms']:.1f} ms = {pd['stall_ratio']:.2f} x its quiet p99 "
-        f"(goal <= 1.5; co-located {local['stall_ratio']:.2f}); image TTFT p50 {pd['image_ttft_p50_ms']:.0f} ms "
-        f"against {local['image_ttft_p50_ms']:.0f} ms co-located ({report['ttft_cost']:.2f}x); "
-        f"{split.remote_prefills:.0f} remote prefills"
-    )
+    for transport, figures in runs.items():
+        print(
+            f"P/D ({transport}): typical worst stall {figures['typical_worst_stall_ms']:.1f} ms = "
+            f"{figures['stall_ratio']:.2f} x its quiet p99 {figures['quiet_itl_p99_ms']:.1f} ms (goal <= 1.5; "
+            f"co-located {local['stall_ratio']:.2f}); image TTFT p50 {figures['image_ttft_p50_ms']:.0f} ms against "
+            f"{local['image_ttft_p50_ms']:.0f} ms co-located ({figures['ttft_cost']:.2f}x); "
+            f"{figures['remote_prefills']:.0f} remote prefills"
+        )
     return report
 
 
@@ -458,7 +478,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--pd-min-prefill-tokens", type=int, default=256, help="with --pd: the router's EPD_PD_MIN_PREFILL_TOKENS"
     )
+    parser.add_argument(
+        "--kv-transport",
+        default="grpc",
+        help="with --pd: the P/D clusters' EPD_KV_TRANSPORT, one cluster each (grpc, dist, or grpc,dist)",
+    )
     args = parser.parse_args(argv)
+    kv_transports = tuple(dict.fromkeys(t.strip() for t in args.kv_transport.split(",") if t.strip()))
+    if not kv_transports or not set(kv_transports) <= {"grpc", "dist"}:
+        parser.error(f"--kv-transport: {args.kv_transport!r} is not grpc, dist or grpc,dist")
     if args.quick:
         args.streams, args.images, args.image_size = 2, 2, "448x336"
         args.quiet_tokens, args.stream_tokens, args.image_tokens, args.bursts = 30, 90, 4, 1
@@ -489,9 +517,12 @@ def main(argv: list[str] | None = None) -> int:
                 Path(tmp) / "model", "qwen2-vl", text_width=args.text_width, text_layers=args.text_layers
             )
             if args.pd:
-                colocated, split = asyncio.run(
-                    run_pd(model, redis.url, settings, images, args.pd_min_prefill_tokens, env, args.itl_target_ms)
-                )
+                colocated, splits = asyncio.run(
+                    run_pd(
+                        model, redis.url, settings, images, args.pd_min_prefill_tokens, env, args.itl_target_ms,
+                        kv_transports,
+                    )
+                )  # fmt: skip
             else:
                 plain, targeted, target_ms = asyncio.run(
                     run_both(model, redis.url, settings, images, args.itl_target_ms, args.target_factor, env)
@@ -499,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         redis.stop()
     if args.pd:
-        print(json.dumps(_pd_report(colocated, split, settings, args.pd_min_prefill_tokens, args.itl_target_ms)))
+        print(json.dumps(_pd_report(colocated, splits, settings, args.pd_min_prefill_tokens, args.itl_target_ms)))
         return 0
     base, with_target = summarize(plain, settings), summarize(targeted, settings)
     _print_run("no target", base)
