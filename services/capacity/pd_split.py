@@ -6,7 +6,8 @@ times are): a co-located prefill of P prompt tokens runs among the decode steps 
 holds them for prefill(P) (chunked prefill spreads it over several steps but stretches them by as much in all); a
 remote one holds no decode step and costs the request kv_transfer = transport(P x KV bytes per token) more time to
 first token. The KV is costed with the profile's curve of the plan's transport (`epd profile` measures it on
-embeddings, over the same ~1 MiB gRPC client-stream messages a KV push uses; gloo KV transfer is not built).
+embeddings, over the same ~1 MiB gRPC client-stream messages and the same gloo pairs a KV push uses:
+`EPD_KV_TRANSPORT` grpc or dist).
 
 A kind goes to the prefill pool when its prefill stalls decoding past what is allowed, and shipping its KV costs
 less than computing it (else its time to first token would grow by more than the stall it saves anyone):
@@ -33,6 +34,8 @@ from services.capacity.profile import Profile
 
 STALL_STEPS = 4.0
 """Without an inter-token target: a prefill holding decode for more than this many inter-token gaps is a stall."""
+
+KV_TRANSPORTS = ("grpc", "gloo")  # the profile's transports a KV push can take (EPD_KV_TRANSPORT grpc, dist)
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,8 @@ def pd_split_json(
             "decode": 1.0,
         },
     }
-    if transport != "grpc":
-        out["note"] = f"KV transfer over {transport} is not built (gRPC is): these are the times it would give"
+    if transport not in KV_TRANSPORTS:
+        out["note"] = (
+            f"KV transfer over {transport} is not built (gRPC and gloo are): these are the times it would give"
+        )
     return out

@@ -23,6 +23,7 @@ BUILT = {
     "trace": ROOT / "services/common/tracing.py",
     "inter-token latency target": ROOT / "services/worker/engine/itl_target.py",
     "video for qwen2-vl": ROOT / "services/models/qwen2_vl_video.py",
+    "torch.distributed kv transport": ROOT / "services/worker/kv_transfer.py",
 }
 
 

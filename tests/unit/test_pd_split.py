@@ -53,7 +53,7 @@ def test_a_long_prefill_goes_to_the_pool_where_shipping_costs_less(folder_7b: Pa
     ratio = split["ratio"]
     assert ratio["decode"] == 1.0 and ratio["prefill"] > 0 and ratio["encoder"] > 0
     assert report["requests"][1]["label"] in split["reasons"][0] and "40 ms inter-token target" in split["reasons"][0]
-    assert "not built" in split["note"]  # the times gloo would give: the KV goes over gRPC today
+    assert "note" not in split  # KV goes over gloo (EPD_KV_TRANSPORT=dist)
     table = plan_table(report)
     assert "prefill/decode: prefill pool" in table and f"EPD_PD_MIN_PREFILL_TOKENS={prompt}" in table
 
