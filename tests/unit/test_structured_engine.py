@@ -208,8 +208,9 @@ def test_min_tokens_holds_the_stop_back_only_while_the_grammar_could_go_on(
     assert len(made.tokens) >= 6 and set(adapter.tokenizer.decode([t for t in made.tokens if t not in eos])) == {"a"}
 
 
+@pytest.mark.parametrize("beside", [True, False], ids=["grammar-thread", "engine-thread"])
 def test_a_step_mask_in_any_row_order_masks_as_xgrammar_and_its_verdicts_follow_the_matchers(
-    loaded: tuple[Any, Any], compiler: Any
+    loaded: tuple[Any, Any], compiler: Any, beside: bool
 ) -> None:
     """The CPU's additive bias and xgrammar's kernel (the other devices' path) give the same masked logits, bit
     for bit, whatever rows are constrained and in whatever order the prefetched fill laid them out; a token's
@@ -218,7 +219,7 @@ def test_a_step_mask_in_any_row_order_masks_as_xgrammar_and_its_verdicts_follow_
     adapter, model = loaded
     vocab = model.get_output_embeddings().out_features
     structured = StructuredOutputs(adapter.tokenizer, vocab, frozenset(adapter.eos_token_ids), 8, 1 << 30, 10.0,
-                                   torch.device("cpu"))  # fmt: skip
+                                   torch.device("cpu"), beside)  # fmt: skip
     kinds = ["nested", "regex", "choice", "string"]
     states = [structured.state(CONSTRAINTS[name]) for name in kinds]
     for state in states:
@@ -256,8 +257,9 @@ def test_a_step_mask_in_any_row_order_masks_as_xgrammar_and_its_verdicts_follow_
     structured.close()
 
 
+@pytest.mark.parametrize("beside", [True, False], ids=["grammar-thread", "engine-thread"])
 def test_the_fill_queued_with_the_accepts_serves_a_step_with_fewer_rows_and_one_with_more_fills_anew(
-    loaded: tuple[Any, Any], compiler: Any
+    loaded: tuple[Any, Any], compiler: Any, beside: bool
 ) -> None:
     """The accepts queue the same rows' next fill: a step that lost a row without a verdict (its max_tokens)
     uses it, mapped, and queues nothing; a step with a row it lacks (a new request) queues its own fill. Each
@@ -265,7 +267,7 @@ def test_the_fill_queued_with_the_accepts_serves_a_step_with_fewer_rows_and_one_
     adapter, model = loaded
     vocab = model.get_output_embeddings().out_features
     structured = StructuredOutputs(adapter.tokenizer, vocab, frozenset(adapter.eos_token_ids), 8, 1 << 30, 10.0,
-                                   torch.device("cpu"))  # fmt: skip
+                                   torch.device("cpu"), beside)  # fmt: skip
     kinds = ["nested", "regex", "string"]
     states = [structured.state(CONSTRAINTS[name]) for name in kinds]
     for state in states:
@@ -301,7 +303,7 @@ def test_jobs_the_grammar_thread_has_not_started_are_taken_back_and_none_runs_tw
     starts neither."""
     adapter, model = loaded
     structured = StructuredOutputs(adapter.tokenizer, 8, frozenset(adapter.eos_token_ids), 1, 1 << 20, 1.0,
-                                   torch.device("cpu"))  # fmt: skip
+                                   torch.device("cpu"), beside=True)  # fmt: skip
     free = threading.Event()
     ran: list[str] = []
     structured._submit(lambda: free.wait(5) and ran.append("busy"))
