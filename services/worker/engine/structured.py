@@ -6,15 +6,15 @@ its matcher has then accepted every token it generated, those of a previous work
 request's ``generated_tokens``), before its next bitmask is filled, so the engine's tokens and the matcher
 never disagree. On a GPU the matchers' per-step work runs on one grammar thread, in order (on the CPU, where
 the forward is the engine thread's own work and a second thread only contends with it for the GIL, the same
-jobs run in the same order on the engine thread): each step's accepts (one
-call into xgrammar) are queued after its sampling together with the fill of the next step's bitmask for the
-same rows (one call for all of them), which so runs beside the engine's output handling, scheduling and next
-forward pass; the step waits for it only after the model ran. A next step whose constrained rows are not all
+jobs run in the same order on the engine thread): each step's accepts (one call into xgrammar per matcher)
+are queued after its sampling together with the fill of the next step's bitmask for the same rows (one call
+for all of them), which so runs beside the engine's output handling, scheduling and next forward pass; the
+step waits for it only after the model ran. A next step whose constrained rows are not all
 among those filled queues its own fill before its forward. A sampled token is checked against the host
 bitmask its row was masked with (the matcher allows exactly the tokens whose bit is set), so a token outside
 the grammar ends its choice before it is kept, and a stop token ends it complete. The mask goes on in a copy
-(the raw logits stay as they were: logprobs read them): on the CPU as an additive bias of 0 / -inf built on
-the grammar thread, on other devices by xgrammar's kernel after one upload. Rows without a constraint are not
+(the raw logits stay as they were: logprobs read them): on the CPU as an additive bias of 0 / -inf built
+with the fill, on other devices by xgrammar's kernel after one upload. Rows without a constraint are not
 touched, and a step without any costs nothing here.
 """
 
@@ -294,13 +294,11 @@ class StructuredOutputs:
         self._settle()
 
     def _accept(self, states: list[GrammarState], tokens: list[int]) -> None:
-        """Each matcher accepts its token, in one call (allowed by its mask, so it always does; one that does not
-        marks its state, and the choice ends ``REFUSED`` at its next token)."""
-        import xgrammar as xgr
-
-        accepted = xgr.BatchGrammarMatcher.batch_accept_token([s.matcher for s in states], tokens)
-        for state, token, ok in zip(states, tokens, accepted, strict=True):
-            if not ok:
+        """Each matcher accepts its token (allowed by its mask, so it always does; one that does not marks its
+        state, and the choice ends ``REFUSED`` at its next token). One call per matcher: xgrammar's batch call
+        took twice as long for 32 rows (26 against 13 us), its list of results built element by element."""
+        for state, token in zip(states, tokens, strict=True):
+            if not state.matcher.accept_token(token):
                 state.refused = token
                 self.refusals += 1
                 log.error("a grammar matcher refused token %d its own bitmask allowed", token)
