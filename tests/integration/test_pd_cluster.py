@@ -68,9 +68,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model_folder(tmp_path_factory.mktemp("models"), "qwen2-vl")
 
 
-@pytest.fixture(scope="module")
-def pd(model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
-    env = {"EPD_PD_MAX_PREFILL_WAITING": "64", "EPD_KV_TRANSFER_TIMEOUT_S": str(KV_DEADLINE_S)}
+def start_pd(
+    model_dir: Path,
+    redis_server: RedisServer,
+    tmp_path_factory: pytest.TempPathFactory,
+    env: dict[str, str] | None = None,
+) -> Iterator[PD]:
+    """A module's P/D cluster (one prefill worker, threshold ``THRESHOLD``, ``env`` added for every service) and a
+    second router over the same services with no threshold (the co-located reference), stopped after its tests."""
+    env = {"EPD_PD_MAX_PREFILL_WAITING": "64", "EPD_KV_TRANSFER_TIMEOUT_S": str(KV_DEADLINE_S), **(env or {})}
     cluster = module_cluster(
         model_dir, redis_server, tmp_path_factory, prefill_workers=1, pd_min_prefill_tokens=THRESHOLD, env=env
     )
@@ -85,6 +91,11 @@ def pd(model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.Temp
         colocated.popen.terminate()
         colocated.popen.wait(timeout=20)
         next(cluster, None)
+
+
+@pytest.fixture(scope="module")
+def pd(model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
+    yield from start_pd(model_dir, redis_server, tmp_path_factory)
 
 
 @dataclass(frozen=True)

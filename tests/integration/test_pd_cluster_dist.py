@@ -18,11 +18,9 @@ from pathlib import Path
 import pytest
 
 from services.client import Client
-from services.launch import local
-from services.launch.health import wait_healthy
 from tests import media_factory
 from tests.integration import test_pd_cluster as pd_cluster
-from tests.integration.conftest import RedisServer, model_folder, module_cluster
+from tests.integration.conftest import RedisServer, model_folder
 from tests.integration.test_pd_cluster import LONG, PD, THRESHOLD, Ask, _all_free, _answer, _wait_pushes
 
 
@@ -33,24 +31,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def pd(model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
-    env = {
-        "EPD_PD_MAX_PREFILL_WAITING": "64",
-        "EPD_KV_TRANSFER_TIMEOUT_S": str(pd_cluster.KV_DEADLINE_S),
-        "EPD_KV_TRANSPORT": "dist",
-    }
-    cluster = module_cluster(
-        model_dir, redis_server, tmp_path_factory, prefill_workers=1, pd_min_prefill_tokens=THRESHOLD, env=env
-    )
-    started = next(cluster)
-    colocated_env = {**started.router.env, "EPD_PD_MIN_PREFILL_TOKENS": "0", "EPD_HTTP_PORT": "0"}
-    colocated = local.spawn("router", local.free_port(), 0, colocated_env, tmp_path_factory.mktemp("colocated"))
-    try:
-        wait_healthy(colocated.address, 120, lambda: colocated.popen.poll() is None)
-        yield PD(started, colocated, model_dir, redis_server.url)
-    finally:
-        colocated.popen.terminate()
-        colocated.popen.wait(timeout=20)
-        next(cluster, None)
+    yield from pd_cluster.start_pd(model_dir, redis_server, tmp_path_factory, {"EPD_KV_TRANSPORT": "dist"})
 
 
 def _kv_bytes(port: int, direction: str, transport: str) -> float:
