@@ -112,9 +112,27 @@ def _settled(pd: PD) -> None:
         registry.close()
 
 
+def _router_pairs_the_prefill_worker(pd: PD) -> None:
+    """Until a long request goes to the prefill worker: the router's cluster view, refreshed from the registry a
+    few times a second, may not hold it yet when the registry already does (each probe has a salt of its own)."""
+    deadline = time.monotonic() + 60
+    for probe in range(1000):
+        before = pd.sent()
+        [outcome] = run_all([pd.cluster.address], _requests(f"probe-{probe}")[:1])
+        assert outcome.ok, describe([outcome])
+        waited = time.monotonic() + 5
+        while pd.sent() == before and time.monotonic() < waited:
+            time.sleep(0.05)
+        if pd.sent() > before:
+            return
+        assert time.monotonic() < deadline, "the router never sent a long prompt to the prefill worker"
+
+
 @pytest.fixture(scope="module")
 def calm(pd: PD) -> list[list[int]]:
     """The undisturbed run's outputs: every request prefilled on the prefill worker."""
+    _settled(pd)
+    _router_pairs_the_prefill_worker(pd)
     _settled(pd)
     before = pd.sent()
     outcomes = run_all([pd.cluster.address], _requests("calm"))

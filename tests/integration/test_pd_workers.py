@@ -58,10 +58,11 @@ def workers(
             process.popen.wait(timeout=20)
 
 
-def _request(adapter, request_id: str, prompt: str, max_tokens: int) -> worker_pb2.WorkerRequest:
+def _request(adapter, request_id: str, prompt: str, max_tokens: int, salt: str = "") -> worker_pb2.WorkerRequest:
     built = adapter.build_prompt([ChatMessage("user", [ChatPart("text", prompt)])], [])
     sampling = common_pb2.SamplingParams(max_tokens=max_tokens)
-    return worker_pb2.WorkerRequest(request_id=request_id, token_ids=built.token_ids, sampling=sampling)
+    ids = built.token_ids
+    return worker_pb2.WorkerRequest(request_id=request_id, token_ids=ids, sampling=sampling, cache_salt=salt)
 
 
 def _split(workers: dict[str, local.Process], request: worker_pb2.WorkerRequest) -> tuple[list[int], str, int]:
@@ -112,7 +113,9 @@ def test_split_requests_equal_generate(
     workers: dict[str, local.Process], model_dir: Path, redis_server: RedisServer
 ) -> None:
     """Eight concurrent prompts of 20 to ~200 tokens, each prefilled on the prefill worker in 32-token chunks and
-    decoded on the decode worker; then the longest again, whose prompt blocks the decode worker now caches."""
+    decoded on the decode worker; then one again, whose prompt blocks the decode worker now caches. Each prompt has
+    a cache salt of its own: their chat template's first block is the same, and a prompt admitted after another's
+    KV landed would otherwise hit it."""
     adapter = load_model_info(model_dir).adapter
     prompts = [f"question {i}: " + LONG * (i % 4) + "what next?" for i in range(8)]
     sent, received = (
@@ -121,14 +124,14 @@ def test_split_requests_equal_generate(
     )
     before = sent(), received()
     with ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(lambda i: _split(workers, _request(adapter, f"pd{i}", prompts[i], 12)), range(8)))
+        got = list(pool.map(lambda i: _split(workers, _request(adapter, f"pd{i}", prompts[i], 12, f"s{i}")), range(8)))
     for i, (tokens, reason, skip) in enumerate(got):
         expected = hf_generate(model_dir, [ChatMessage("user", [ChatPart("text", prompts[i])])], [], 12)
         assert tokens == expected, i
         assert reason == ("length" if len(expected) == 12 else "stop") and skip == 0
     shipped = sent() - before[0]
     assert shipped > 0 and received() - before[1] == shipped  # every byte sent arrived
-    again, _, skip = _split(workers, _request(adapter, "pd-again", prompts[3], 12))
+    again, _, skip = _split(workers, _request(adapter, "pd-again", prompts[3], 12, "s3"))
     assert skip > 0 and again == got[3][0]
     assert 0 < sent() - before[0] - shipped < shipped / 8  # only the blocks past the decode worker's cached prefix
     _all_free(redis_server.url)
