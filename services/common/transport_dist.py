@@ -7,14 +7,15 @@ KV chunks to its decode worker (services/worker/kv_transfer.py, control `PushKV`
 gRPC carries the control messages (`DistConnect` makes a pair and answers the store's address; each transfer's
 message names dtypes, shapes and tags) and the bytes go by `send`/`recv` on the pair's own thread. The same code
 serves gloo (CPU tensors) and NCCL (CUDA tensors); the sender names the backend in `DistConnect`.
-`SenderPairs` is the sending side's pairs, one per worker address, made on first use and reused.
+The sending side's pairs, one per worker address, are `SenderPairs` (dist_sender.py); the worker's side is
+`DistReceiver` (dist_receiver.py).
 
 Invariants:
 - Every wait is bounded: store connect, group creation, each send and each recv use the pair's
   timeout. A pair that fails or times out once is closed and never used again; the next transfer
   makes a new pair under a new id.
 - One pair runs one operation at a time, in submission order, on its single thread; a sender holds the
-  pair's lock (`SenderPairs.lock`) from a transfer's control message until its sends completed, so
+  pair's lock (`dist_sender.SenderPairs.lock`) from a transfer's control message until its sends completed, so
   control messages and sends can never cross.
 - Tensors travel as a flat uint8 view of their bytes: any dtype arrives bit-identical. No extra copy:
   a contiguous tensor on the pair's device is sent as it is; the receiver receives into tensors it
@@ -34,7 +35,6 @@ import itertools
 import logging
 import os
 import threading
-import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -265,75 +265,6 @@ class PairChannel:
         if group is not None:
             name = f"dist-abort-{self.pair_id[:8]}"
             threading.Thread(target=_abort, args=(group, self.pair_id), name=name, daemon=True).start()
-
-
-class SenderPairs:
-    """The sending side's pairs: one per worker address, made on first use and reused until it fails.
-
-    `pair` asks the worker for a new pair (`DistConnect` through `stub(address)`, which answers its store's
-    address) and joins it as rank 1; `drop` closes a failed one, so the next `pair` makes a new one under a new
-    id. `lock(address)` is the asyncio lock a sender holds for each transfer (see the module invariants). Used on
-    one event loop.
-    """
-
-    def __init__(
-        self,
-        stub: Callable[[str], Any],
-        backend: str,
-        hostname: str,
-        timeout_s: float,
-        device: str | torch.device | None = None,
-    ) -> None:
-        self._stub = stub
-        self.backend = backend
-        self._hostname = hostname
-        self.timeout_s = timeout_s
-        self.device = pair_device(backend, device)
-        if backend == "nccl":
-            prepare_nccl_environment()  # at start-up, before any pair thread
-        self._pairs: dict[str, PairChannel] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
-
-    def current(self, address: str) -> PairChannel | None:
-        """The pair with `address` now (None before the first use and after a drop)."""
-        return self._pairs.get(address)
-
-    def lock(self, address: str) -> asyncio.Lock:
-        return self._locks.setdefault(address, asyncio.Lock())
-
-    async def pair(self, address: str, timeout_s: float) -> PairChannel:
-        """The live pair with `address`, made now if there is none (within `timeout_s`; DistError, or the
-        DistConnect call's grpc error, when that fails). Call with `lock(address)` held."""
-        pair = self._pairs.get(address)
-        if pair is not None and not pair.closed:
-            return pair
-        from services.common.rpc.epd.v1 import worker_pb2
-
-        pair_id = uuid.uuid4().hex
-        request = worker_pb2.DistConnectRequest(pair_id=pair_id, backend=self.backend, timeout_s=self.timeout_s)
-        reply = await self._stub(address).DistConnect(request, timeout=timeout_s)
-        host, _, port = reply.store_addr.rpartition(":")
-        pair = PairChannel(pair_id, self.backend, SENDER_RANK, self.timeout_s, device=self.device)
-        try:
-            await wait_bounded(pair.open(host, int(port), self._hostname), timeout_s, f"pair set-up with {address}")
-        except BaseException:
-            pair.close()
-            raise
-        self._pairs[address] = pair
-        return pair
-
-    def drop(self, address: str, pair: PairChannel | None = None) -> None:
-        """Close the pair with `address` (only if it is still `pair`, when given): the next use makes a new one."""
-        current = self._pairs.get(address)
-        if current is not None and (pair is None or current is pair):
-            del self._pairs[address]
-            current.close()
-        elif pair is not None:
-            pair.close()
-
-    def close(self) -> None:
-        for address in list(self._pairs):
-            self.drop(address)
 
 
 def _dtype_shape(meta: Any) -> tuple[torch.dtype, tuple[int, ...], int]:

@@ -27,9 +27,10 @@ import grpc
 import torch
 
 from services.common import tensor_codec
+from services.common.dist_sender import SenderPairs
 from services.common.rpc.epd.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.tls import ClientTls, Dialer
-from services.common.transport_dist import DistError, PairChannel, SenderPairs, wait_bounded
+from services.common.transport_dist import DistError, PairChannel, wait_bounded
 from services.common.transport_grpc import Embedding, iter_chunks
 
 
@@ -80,7 +81,7 @@ def _on_host(embeddings: list[Embedding]) -> list[Embedding]:
 
 class DistPush:
     """The encoder side of the torch.distributed transport (see module invariants); its pairs are
-    `SenderPairs` (services/common/transport_dist.py), one per worker."""
+    `SenderPairs` (services/common/dist_sender.py), one per worker."""
 
     def __init__(
         self,

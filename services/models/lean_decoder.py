@@ -160,10 +160,25 @@ def _read_layers(language_model: nn.Module) -> list[_Layer] | None:
         modules = [layer.input_layernorm, layer.post_attention_layernorm, *[n for n in norms if n is not None]]
         if not all(hasattr(m, "weight") and hasattr(m, "variance_epsilon") for m in modules):
             return None
-        layers.append(_Layer(i, layer.input_layernorm, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                             norms[0], norms[1], int(attn.head_dim), float(attn.scaling),
-                             layer.post_attention_layernorm, mlp.gate_proj, mlp.up_proj, mlp.down_proj,
-                             mlp.act_fn))  # fmt: skip
+        layers.append(
+            _Layer(
+                index=i,
+                input_norm=layer.input_layernorm,
+                q_proj=attn.q_proj,
+                k_proj=attn.k_proj,
+                v_proj=attn.v_proj,
+                o_proj=attn.o_proj,
+                q_norm=norms[0],
+                k_norm=norms[1],
+                head_dim=int(attn.head_dim),
+                scaling=float(attn.scaling),
+                post_norm=layer.post_attention_layernorm,
+                gate_proj=mlp.gate_proj,
+                up_proj=mlp.up_proj,
+                down_proj=mlp.down_proj,
+                act=mlp.act_fn,
+            )
+        )
     if not hasattr(language_model.norm, "variance_epsilon"):
         return None
     return layers

@@ -32,8 +32,9 @@ import torch
 
 from services.common import tensor_codec
 from services.common.dist_receiver import DistReceiver
+from services.common.dist_sender import SenderPairs
 from services.common.rpc.epd.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.common.transport_dist import DistError, SenderPairs, tensor_spec
+from services.common.transport_dist import DistError, tensor_spec
 from services.common.transport_grpc import StreamError
 from services.worker.engine.kv_connector import FirstToken, KVChunk
 from services.worker.engine.request import TokenLogprobs
@@ -223,8 +224,7 @@ class DistKV:
                     raise
                 return
         self.inline_chunks += 1
-        for message in chunk_messages(chunk):
-            await call.write(message)
+        await GRPC_KV.send(call, peer, chunk)
 
     async def _pair(self, peer: str) -> Any:
         """The live pair with ``peer``, made now if need be; None (and no new try for `RETRY_PAIR_S`) when that

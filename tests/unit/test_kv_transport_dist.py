@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from services.common.dist_receiver import DistReceiver
+from services.common.dist_sender import SenderPairs
 from services.common.rpc.epd.v1 import worker_pb2, worker_pb2_grpc
-from services.common.transport_dist import DistError, SenderPairs
+from services.common.transport_dist import DistError
 from services.worker.engine.kv_connector import FirstToken, KVChunk
 from services.worker.engine.request import TokenLogprobs
 from services.worker.kv_transfer import DistKV, KVPusher, is_failure, kv_transport

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.worker.engine.scheduler import ScheduledChunk
-from services.worker.engine.step_input import StepInput
+from services.worker.engine.step_input import StepInput, extend_table
 
 GROUP_COST_BLOCKS = 48
 """What one more padded decode group costs (an SDPA call and two gathers), in padded block-rows."""
@@ -70,13 +70,8 @@ def _add_decode_groups(
     lo = 0
     for hi in split_points(widths, group_cost):
         width, table_at = widths[hi - 1], len(ints)
-        for chunk in decodes[lo:hi]:  # extend_table, inlined: a call per row costs more than the row
-            table = chunk.seq.block_table
-            if len(table) >= width:
-                ints.extend(table[:width])
-            else:
-                ints.extend(table)
-                ints.extend([0] * (width - len(table)))
+        for chunk in decodes[lo:hi]:
+            extend_table(ints, chunk.seq.block_table, width)
         layout.decodes.append(DecodeRows(hi - lo, width, table_at, len(ints)))
         ints.extend(lengths[lo:hi])
         lo = hi
