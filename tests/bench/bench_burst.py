@@ -68,6 +68,7 @@ from typing import Any
 import grpc
 
 from services.client import user_request
+from services.common.config import TRANSPORTS
 from services.common.grpc_server import channel_options
 from services.common.rpc.epd.v1 import generation_pb2_grpc
 from tests.bench.burst_clients import ImageSender, Stream, consume
@@ -485,8 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     kv_transports = tuple(dict.fromkeys(t.strip() for t in args.kv_transport.split(",") if t.strip()))
-    if not kv_transports or not set(kv_transports) <= {"grpc", "dist"}:
-        parser.error(f"--kv-transport: {args.kv_transport!r} is not grpc, dist or grpc,dist")
+    if not kv_transports or not set(kv_transports) <= set(TRANSPORTS):
+        parser.error(f"--kv-transport: {args.kv_transport!r} is not a comma-separated list of {', '.join(TRANSPORTS)}")
     if args.quick:
         args.streams, args.images, args.image_size = 2, 2, "448x336"
         args.quiet_tokens, args.stream_tokens, args.image_tokens, args.bursts = 30, 90, 4, 1
