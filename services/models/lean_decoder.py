@@ -18,9 +18,18 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger(__name__)
+
+try:
+    from transformers.activations import SiLUActivation
+
+    SILU_MODULES: tuple[type, ...] = (nn.SiLU, SiLUActivation)
+except ImportError:  # a transformers release without it
+    SILU_MODULES = (nn.SiLU,)
+"""Activation modules that compute ``F.silu`` (the MLP then applies it in place; the probe checks the bits)."""
 
 PROBE_TOKENS = 5
 """Rows of the probe's random input (several, so causality and the rotary's positions matter)."""
@@ -54,6 +63,8 @@ class _Layer:
     up_proj: nn.Module
     down_proj: nn.Module
     act: Callable[[torch.Tensor], torch.Tensor]
+    silu: bool
+    """``act`` is SiLU: applied in place on the gate's fresh output."""
 
 
 class LeanDecoder:
@@ -129,13 +140,14 @@ class LeanDecoder:
                 q, k = _rms_norm(layer.q_norm, q), _rms_norm(layer.k_norm, k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = layer.v_proj(x).view(batch, rows, -1, layer.head_dim).transpose(1, 2)
-            q = (q * cos) + (_rotate_half(q) * sin)
-            k = (k * cos) + (_rotate_half(k) * sin)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             out = attention.attend(layer.index, q[0], k[0], v[0], layer.scaling).unsqueeze(0)
-            hidden = residual + layer.o_proj(out.reshape(batch, rows, -1).contiguous())
+            hidden = layer.o_proj(out.reshape(batch, rows, -1).contiguous()).add_(residual)
             residual = hidden
             x = _rms_norm(layer.post_norm, hidden)
-            hidden = residual + layer.down_proj(layer.act(layer.gate_proj(x)) * layer.up_proj(x))
+            gate = layer.gate_proj(x)
+            gate = F.silu(gate, inplace=True) if layer.silu else layer.act(gate)
+            hidden = layer.down_proj(gate.mul_(layer.up_proj(x))).add_(residual)
         return _rms_norm(self.norm, hidden)
 
 
@@ -177,6 +189,7 @@ def _read_layers(language_model: nn.Module) -> list[_Layer] | None:
                 up_proj=mlp.up_proj,
                 down_proj=mlp.down_proj,
                 act=mlp.act_fn,
+                silu=isinstance(mlp.act_fn, SILU_MODULES),
             )
         )
     if not hasattr(language_model.norm, "variance_epsilon"):
@@ -189,13 +202,16 @@ def _rms_norm(norm: Any, hidden: torch.Tensor) -> torch.Tensor:
     dtype = hidden.dtype
     hidden = hidden.to(torch.float32)
     variance = hidden.pow(2).mean(-1, keepdim=True)
-    hidden = hidden * torch.rsqrt(variance + norm.variance_epsilon)
-    return norm.weight * hidden.to(dtype)
+    hidden = hidden * torch.rsqrt(variance + norm.variance_epsilon)  # a new tensor: the multiplies below reuse it
+    return hidden.mul_(norm.weight) if dtype == torch.float32 else norm.weight * hidden.to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` as transformers computes it, the products written into the new
+    tensors that hold them (floating-point sums and products are commutative: the same bits)."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos).add_(rotated.mul_(sin))
 
 
 class _CausalAttention:
