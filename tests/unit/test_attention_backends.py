@@ -27,7 +27,8 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object needs n
 def test_auto_choice() -> None:
     assert choose_backend("auto", CPU, torch.float32, 16, 0) == "cpu-kernel"  # this machine has a C compiler
     assert choose_backend("auto", CPU, torch.float32, 16, 32) == "sdpa"  # the kernel is built for 16-token blocks
-    assert choose_backend("auto", CPU, torch.bfloat16, 16, 0) == "sdpa"
+    assert choose_backend("auto", CPU, torch.bfloat16, 16, 0) == "cpu-kernel"
+    assert choose_backend("auto", CPU, torch.float16, 16, 0) == "sdpa"
     assert choose_backend("auto", CPU, torch.float32, 24, 0) == "sdpa"
     assert choose_backend("sdpa", CUDA, torch.bfloat16, 128, 0) == "sdpa"
     assert [default_block_size(n) for n in ("flash", "flash-reference", "sdpa", "cpu-kernel", "triton")] == [
@@ -77,7 +78,7 @@ def test_explicit_backends_refuse_where_they_cannot_run() -> None:
         make_backend("flash", 256, CPU, torch.bfloat16, 16)
     with pytest.raises(ValueError, match="multiple of 256, got 16"):
         make_backend("flash", 16, CUDA, torch.bfloat16, 16)
-    with pytest.raises(ValueError, match="float32 on the CPU, 16-token blocks"):
+    with pytest.raises(ValueError, match="float32 or bfloat16 on the CPU, 16-token blocks"):
         make_backend("cpu-kernel", 32, CPU, torch.float32, 16)
     with pytest.raises(ValueError, match="unknown attention backend"):
         make_backend("paged", 16, CPU, torch.float32, 16)

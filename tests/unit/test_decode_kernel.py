@@ -1,4 +1,5 @@
-"""The compiled CPU decode-attention kernel against SDPA over the same blocks gathered, and where it applies."""
+"""The compiled CPU decode-attention kernel (float32 and bfloat16 caches) against SDPA over the same blocks
+gathered, and where it applies."""
 
 from __future__ import annotations
 
@@ -59,6 +60,26 @@ def test_matches_sdpa_over_gathered_blocks(kernel: DecodeKernel, heads: int, kv_
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 64), (7, 1, 16)], ids=str)
+def test_bfloat16_cache_matches_sdpa_over_the_same_values(
+    kernel: DecodeKernel, heads: int, kv_heads: int, dim: int
+) -> None:
+    """A bfloat16 cache is read as the float32 values it holds: the same answer as the float32 kernel and as SDPA
+    on those values widened (to float32 rounding), returned in bfloat16; a bfloat16 query is widened too."""
+    gen = torch.Generator().manual_seed(dim)
+    keys = torch.randn(kv_heads, 20, dim, BLOCK_SIZE, generator=gen).to(torch.bfloat16)
+    values = torch.randn(kv_heads, 20, BLOCK_SIZE, dim, generator=gen).to(torch.bfloat16)
+    lengths, tables = [5, 16, 70], [[3], [7], [1, 9, 4, 12, 0]]
+    flat = torch.tensor([t + [0] * (5 - len(t)) for t in tables]).view(-1)
+    q = (torch.randn(heads, 3, dim, generator=gen) * 2).to(torch.bfloat16)
+    got = kernel(q, keys, values, flat, torch.tensor(lengths), dim**-0.5)
+    assert got.dtype == torch.bfloat16
+    wide = kernel(q.float(), keys.float(), values.float(), flat, torch.tensor(lengths), dim**-0.5)
+    assert torch.equal(got, wide.to(torch.bfloat16))  # the same float32 arithmetic, rounded once at the end
+    expected = reference(q.float(), keys.float(), values.float(), tables, lengths)
+    torch.testing.assert_close(wide, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_large_scores_do_not_overflow(kernel: DecodeKernel) -> None:
     """Softmax subtracts the row's maximum: scores in the thousands stay finite and exact."""
     keys = torch.zeros(1, 4, 16, BLOCK_SIZE)
@@ -77,12 +98,13 @@ def test_unsupported_heads_raise(kernel: DecodeKernel) -> None:
         kernel(torch.zeros(4, 1, 16), keys, values, torch.tensor([0]), torch.tensor([1]), 1.0)
 
 
-def test_applies_only_to_float32_cpu_16_token_blocks() -> None:
+def test_applies_only_to_float32_or_bfloat16_cpu_16_token_blocks() -> None:
     cpu = torch.device("cpu")
     assert DecodeKernel.applies(16, 128, torch.float32, cpu)
+    assert DecodeKernel.applies(16, 128, torch.bfloat16, cpu)
     assert not DecodeKernel.applies(32, 128, torch.float32, cpu)
     assert not DecodeKernel.applies(16, 8, torch.float32, cpu)
-    assert not DecodeKernel.applies(16, 128, torch.bfloat16, cpu)
+    assert not DecodeKernel.applies(16, 128, torch.float16, cpu)
     assert not DecodeKernel.applies(16, 128, torch.float32, torch.device("cuda"))
 
 

@@ -1,7 +1,8 @@
 /* Paged decode attention for the CPU: each single-token query attends to its own KV blocks in place.
  *
  * Compiled on the machine that runs it (decode_kernel.py: cc -O3 -march=native), loaded with ctypes.
- * Layouts (float32, 16-token blocks):
+ * Layouts (16-token blocks; K/V float32, or bfloat16 in the _bf16 entry point, whose values are widened to float32
+ * as they are loaded: every product and sum is float32 in both):
  *   keys    [kv_heads, num_blocks, head_dim, 16]   dim-major inside a block: 16 tokens' scores are one vector
  *   values  [kv_heads, num_blocks, 16, head_dim]
  *   q       [heads, batch, head_dim] with strides (q_stride_h, q_stride_b, 1)
@@ -22,8 +23,19 @@
  * arithmetic and the order of every sum are those of one 16-lane vector per block. */
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
 
 static inline v8f load(const float *p) { v8f v; memcpy(&v, p, sizeof v); return v; }
+/* 8 bfloat16 values as float32: a bfloat16 is the upper half of the float32 with the same bits */
+static inline v8f load_bf16(const uint16_t *p) {
+    v8h h;
+    memcpy(&h, p, sizeof h);
+    return (v8f)(__builtin_convertvector(h, v8i) << 16);
+}
+/* K/V element i of a cache that holds float32 (bf16 == 0) or bfloat16; the flag is a constant in each entry point */
+static inline __attribute__((always_inline)) v8f load_kv(const void *base, int64_t i, int bf16) {
+    return bf16 ? load_bf16((const uint16_t *)base + i) : load((const float *)base + i);
+}
 static inline void store(float *p, v8f v) { memcpy(p, &v, sizeof v); }
 static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
 static inline v8f vmax(v8f a, v8f b) { v8i m = a > b; return (v8f)(((v8i)a & m) | ((v8i)b & ~m)); }
@@ -47,18 +59,19 @@ static inline v8f vexp_neg(v8f x) {
 }
 
 /* Probabilities of one query head over its context, 16 per block, into scores[0 .. nblocks * 16). */
-static void softmax_scores(const float *qq, const float *k_head, const int64_t *table, int64_t nblocks,
-                           int64_t len, int64_t head_dim, float scale, float *scores) {
+static inline __attribute__((always_inline)) void softmax_scores(
+    const float *qq, const void *k_head, int64_t k_off, const int64_t *table, int64_t nblocks, int64_t len,
+    int64_t head_dim, float scale, float *scores, int bf16) {
     v8f ml = splat(-1e30f), mh = ml;
     for (int64_t j = 0; j < nblocks; j++) {
-        const float *kt = k_head + table[j] * head_dim * BS;
+        const int64_t kt = k_off + table[j] * head_dim * BS;
         v8f s0l = splat(0.0f), s0h = s0l, s1l = s0l, s1h = s0l; /* two chains per half: head_dim is even */
         for (int64_t d = 0; d < head_dim; d += 2) {
             const float q0 = qq[d], q1 = qq[d + 1];
-            s0l += q0 * load(kt + d * BS);
-            s0h += q0 * load(kt + d * BS + HALF);
-            s1l += q1 * load(kt + (d + 1) * BS);
-            s1h += q1 * load(kt + (d + 1) * BS + HALF);
+            s0l += q0 * load_kv(k_head, kt + d * BS, bf16);
+            s0h += q0 * load_kv(k_head, kt + d * BS + HALF, bf16);
+            s1l += q1 * load_kv(k_head, kt + (d + 1) * BS, bf16);
+            s1h += q1 * load_kv(k_head, kt + (d + 1) * BS + HALF, bf16);
         }
         float *sj = scores + j * BS;
         store(sj, (s0l + s1l) * scale);
@@ -85,31 +98,30 @@ static void softmax_scores(const float *qq, const float *k_head, const int64_t *
 }
 
 /* out[0 .. head_dim) = sum over the context of p[t] * v[t]; 8 dims at a time, four accumulators. */
-static void weighted_values(const float *p, const float *v_head, const int64_t *table, int64_t nblocks,
-                            int64_t head_dim, float *out) {
+static inline __attribute__((always_inline)) void weighted_values(
+    const float *p, const void *v_head, int64_t v_off, const int64_t *table, int64_t nblocks, int64_t head_dim,
+    float *out, int bf16) {
     const int64_t D = head_dim;
     for (int64_t dc = 0; dc < D; dc += HALF) {
         v8f a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t j = 0; j < nblocks; j++) {
-            const float *vb = v_head + table[j] * BS * D + dc;
+            const int64_t vb = v_off + table[j] * BS * D + dc;
             const float *pj = p + j * BS; /* 0 past the context, so whole blocks are summed */
             for (int i = 0; i < BS; i += 4) {
-                a0 += pj[i] * load(vb + i * D);
-                a1 += pj[i + 1] * load(vb + (i + 1) * D);
-                a2 += pj[i + 2] * load(vb + (i + 2) * D);
-                a3 += pj[i + 3] * load(vb + (i + 3) * D);
+                a0 += pj[i] * load_kv(v_head, vb + i * D, bf16);
+                a1 += pj[i + 1] * load_kv(v_head, vb + (i + 1) * D, bf16);
+                a2 += pj[i + 2] * load_kv(v_head, vb + (i + 2) * D, bf16);
+                a3 += pj[i + 3] * load_kv(v_head, vb + (i + 3) * D, bf16);
             }
         }
         store(out + dc, (a0 + a1) + (a2 + a3));
     }
 }
 
-/* Returns 0, or 1 when the shapes are not supported (head_dim not a multiple of 16, heads not a multiple
- * of kv_heads); nothing is written then. */
-int epd_decode_attention(const float *q, int64_t q_stride_h, int64_t q_stride_b, const float *k_cache,
-                         const float *v_cache, const int64_t *tables, int64_t width, const int64_t *lengths,
-                         int64_t batch, int64_t heads, int64_t kv_heads, int64_t num_blocks, int64_t head_dim,
-                         float scale, float *out, float *scratch) {
+static inline __attribute__((always_inline)) int attention(
+    const float *q, int64_t q_stride_h, int64_t q_stride_b, const void *k_cache, const void *v_cache,
+    const int64_t *tables, int64_t width, const int64_t *lengths, int64_t batch, int64_t heads, int64_t kv_heads,
+    int64_t num_blocks, int64_t head_dim, float scale, float *out, float *scratch, int bf16) {
     if (head_dim % 16 != 0 || kv_heads <= 0 || heads % kv_heads != 0) return 1;
     const int64_t group = heads / kv_heads, head_stride = num_blocks * BS * head_dim;
     for (int64_t b = 0; b < batch; b++) {
@@ -118,13 +130,31 @@ int epd_decode_attention(const float *q, int64_t q_stride_h, int64_t q_stride_b,
         for (int64_t g = 0; g < kv_heads; g++) {
             for (int64_t qi = 0; qi < group; qi++) {
                 const float *qq = q + (g * group + qi) * q_stride_h + b * q_stride_b;
-                softmax_scores(qq, k_cache + g * head_stride, table, nblocks, len, head_dim, scale,
-                               scratch + qi * width * BS);
+                softmax_scores(qq, k_cache, g * head_stride, table, nblocks, len, head_dim, scale,
+                               scratch + qi * width * BS, bf16);
             }
             for (int64_t qi = 0; qi < group; qi++)
-                weighted_values(scratch + qi * width * BS, v_cache + g * head_stride, table, nblocks, head_dim,
-                                out + (b * heads + g * group + qi) * head_dim);
+                weighted_values(scratch + qi * width * BS, v_cache, g * head_stride, table, nblocks, head_dim,
+                                out + (b * heads + g * group + qi) * head_dim, bf16);
         }
     }
     return 0;
+}
+
+/* Returns 0, or 1 when the shapes are not supported (head_dim not a multiple of 16, heads not a multiple
+ * of kv_heads); nothing is written then. q, out and scratch are float32 in both. */
+int epd_decode_attention(const float *q, int64_t q_stride_h, int64_t q_stride_b, const float *k_cache,
+                         const float *v_cache, const int64_t *tables, int64_t width, const int64_t *lengths,
+                         int64_t batch, int64_t heads, int64_t kv_heads, int64_t num_blocks, int64_t head_dim,
+                         float scale, float *out, float *scratch) {
+    return attention(q, q_stride_h, q_stride_b, k_cache, v_cache, tables, width, lengths, batch, heads, kv_heads,
+                     num_blocks, head_dim, scale, out, scratch, 0);
+}
+
+int epd_decode_attention_bf16(const float *q, int64_t q_stride_h, int64_t q_stride_b, const uint16_t *k_cache,
+                              const uint16_t *v_cache, const int64_t *tables, int64_t width, const int64_t *lengths,
+                              int64_t batch, int64_t heads, int64_t kv_heads, int64_t num_blocks, int64_t head_dim,
+                              float scale, float *out, float *scratch) {
+    return attention(q, q_stride_h, q_stride_b, k_cache, v_cache, tables, width, lengths, batch, heads, kv_heads,
+                     num_blocks, head_dim, scale, out, scratch, 1);
 }

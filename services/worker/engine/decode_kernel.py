@@ -3,7 +3,7 @@
 Single-token queries attend to their KV blocks in place: no gathered copy of the context, no padding
 computed, one call per decode group and layer. On the tiny test model it is about 4x faster than
 gathering blocks and calling SDPA, on 128-dim heads about 5x (docs/engine.md). Used when the engine runs
-float32 on the CPU with 16-token blocks and a C compiler is found; otherwise attention stays on SDPA.
+float32 or bfloat16 on the CPU with 16-token blocks and a C compiler is found; otherwise attention stays on SDPA.
 
 The shared object is compiled once per source, compiler and CPU (``-march=native``) into a cache
 folder (``$XDG_CACHE_HOME/epd/kernels``, else ``~/.cache``, else the temp folder) and reused; several
@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,6 +30,8 @@ log = logging.getLogger(__name__)
 
 BLOCK_SIZE = 16
 """Tokens per KV block the kernel is built for (the engine's default)."""
+KV_DTYPES = (torch.float32, torch.bfloat16)
+"""What the cache may hold; a bfloat16 cache is widened to float32 as it is read (all arithmetic is float32)."""
 
 SOURCE = Path(__file__).with_suffix(".c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
@@ -39,20 +42,24 @@ class DecodeKernel:
 
     Shapes: ``q [heads, batch, head_dim]`` (last dim contiguous), ``keys [kv_heads, blocks, head_dim, 16]``,
     ``values [kv_heads, blocks, 16, head_dim]``, ``tables [batch * width]`` int64 block ids row-major,
-    ``lengths [batch]`` int64 context lengths; returns ``[batch, heads, head_dim]``.
+    ``lengths [batch]`` int64 context lengths; returns ``[batch, heads, head_dim]`` in the cache's dtype (keys and
+    values float32 or bfloat16, both the same; ``q`` any float dtype).
     """
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        fn = library.epd_decode_attention
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr]
-        fn.restype = ctypes.c_int
-        self._fn = fn
+        self._fns: dict[torch.dtype, Any] = {}
+        for dtype, name in ((torch.float32, "epd_decode_attention"), (torch.bfloat16, "epd_decode_attention_bf16")):
+            fn = getattr(library, name)
+            fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr]
+            fn.restype = ctypes.c_int
+            self._fns[dtype] = fn
 
     @staticmethod
     def applies(block_size: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether the kernel handles this engine's KV: float32 on the CPU, 16-token blocks, head dims % 16 == 0."""
-        return device.type == "cpu" and dtype == torch.float32 and block_size == BLOCK_SIZE and head_dim % 16 == 0
+        """Whether the kernel handles this engine's KV: float32 or bfloat16 on the CPU, 16-token blocks, head dims
+        % 16 == 0."""
+        return device.type == "cpu" and dtype in KV_DTYPES and block_size == BLOCK_SIZE and head_dim % 16 == 0
 
     def __call__(
         self,
@@ -66,18 +73,18 @@ class DecodeKernel:
         heads, batch, head_dim = q.shape
         kv_heads, num_blocks = keys.shape[0], keys.shape[1]
         width = tables.numel() // batch
-        if q.stride(-1) != 1:
-            q = q.contiguous()
+        if q.dtype != torch.float32 or q.stride(-1) != 1:
+            q = q.float().contiguous()  # the products are float32 whatever the cache holds
         scratch = torch.empty(heads // kv_heads * width * BLOCK_SIZE, dtype=torch.float32)  # per call: engines share it
         out = torch.empty(batch, heads, head_dim, dtype=torch.float32)
-        rc = self._fn(
+        rc = self._fns[keys.dtype](
             q.data_ptr(), q.stride(0), q.stride(1), keys.data_ptr(), values.data_ptr(), tables.data_ptr(),
             width, lengths.data_ptr(), batch, heads, kv_heads, num_blocks, head_dim, scale, out.data_ptr(),
             scratch.data_ptr(),
         )  # fmt: skip
         if rc != 0:
             raise ValueError(f"decode kernel: unsupported shapes (heads {heads}, kv heads {kv_heads}, dim {head_dim})")
-        return out
+        return out if keys.dtype == torch.float32 else out.to(keys.dtype)
 
 
 @functools.cache

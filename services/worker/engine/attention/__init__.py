@@ -116,7 +116,7 @@ def make_backend(
     if name == "cpu-kernel":
         if not DecodeKernel.applies(block_size, head_dim, dtype, device):
             raise ValueError(
-                f"the cpu-kernel attention backend needs float32 on the CPU, {KERNEL_BLOCK_SIZE}-token "
+                f"the cpu-kernel attention backend needs float32 or bfloat16 on the CPU, {KERNEL_BLOCK_SIZE}-token "
                 f"blocks and a head dim that is a multiple of 16; got {dtype} on {device}, block size "
                 f"{block_size}, head dim {head_dim}"
             )

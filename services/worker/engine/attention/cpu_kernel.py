@@ -2,7 +2,7 @@
 
 Keys are stored dim-major inside a block (`kv_cache.DIM_MAJOR_KEYS`), as the kernel scores a block's 16
 tokens as one vector per dim. The kernel reads only each row's own blocks, so all decodes form one group.
-Applies to float32 on the CPU with 16-token blocks and head dims a multiple of 16, with a C compiler.
+Applies to float32 and bfloat16 on the CPU with 16-token blocks and head dims a multiple of 16, with a C compiler.
 """
 
 from __future__ import annotations
