@@ -91,11 +91,13 @@ def test_large_scores_do_not_overflow(kernel: DecodeKernel) -> None:
     assert torch.isfinite(got).all()
 
 
-def test_unsupported_heads_raise(kernel: DecodeKernel) -> None:
+def test_unsupported_heads_and_dtypes_raise(kernel: DecodeKernel) -> None:
     keys = torch.zeros(3, 2, 16, BLOCK_SIZE)
     values = torch.zeros(3, 2, BLOCK_SIZE, 16)
     with pytest.raises(ValueError, match="unsupported shapes"):
         kernel(torch.zeros(4, 1, 16), keys, values, torch.tensor([0]), torch.tensor([1]), 1.0)
+    with pytest.raises(ValueError, match="float16 cache"):  # never read as if it were float32
+        kernel(torch.zeros(3, 1, 16), keys.half(), values.half(), torch.tensor([0]), torch.tensor([1]), 1.0)
 
 
 def test_applies_only_to_float32_or_bfloat16_cpu_16_token_blocks() -> None:

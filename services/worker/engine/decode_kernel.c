@@ -1,8 +1,8 @@
 /* Paged decode attention for the CPU: each single-token query attends to its own KV blocks in place.
  *
  * Compiled on the machine that runs it (decode_kernel.py: cc -O3 -march=native), loaded with ctypes.
- * Layouts (16-token blocks; K/V float32, or bfloat16 in the _bf16 entry point, whose values are widened to float32
- * as they are loaded: every product and sum is float32 in both):
+ * Layouts (16-token blocks; K/V float32, or bfloat16 (the bf16 flag), whose values are widened to float32 as they
+ * are loaded: every product and sum is float32 in both):
  *   keys    [kv_heads, num_blocks, head_dim, 16]   dim-major inside a block: 16 tokens' scores are one vector
  *   values  [kv_heads, num_blocks, 16, head_dim]
  *   q       [heads, batch, head_dim] with strides (q_stride_h, q_stride_b, 1)
@@ -142,19 +142,15 @@ static inline __attribute__((always_inline)) int attention(
 }
 
 /* Returns 0, or 1 when the shapes are not supported (head_dim not a multiple of 16, heads not a multiple
- * of kv_heads); nothing is written then. q, out and scratch are float32 in both. */
-int epd_decode_attention(const float *q, int64_t q_stride_h, int64_t q_stride_b, const float *k_cache,
-                         const float *v_cache, const int64_t *tables, int64_t width, const int64_t *lengths,
+ * of kv_heads); nothing is written then. K/V are bfloat16 when bf16 != 0, else float32; q, out and scratch are
+ * float32 either way. Each branch is the attention body compiled for its cache's element type. */
+int epd_decode_attention(const float *q, int64_t q_stride_h, int64_t q_stride_b, const void *k_cache,
+                         const void *v_cache, const int64_t *tables, int64_t width, const int64_t *lengths,
                          int64_t batch, int64_t heads, int64_t kv_heads, int64_t num_blocks, int64_t head_dim,
-                         float scale, float *out, float *scratch) {
+                         float scale, float *out, float *scratch, int bf16) {
+    if (bf16)
+        return attention(q, q_stride_h, q_stride_b, k_cache, v_cache, tables, width, lengths, batch, heads, kv_heads,
+                         num_blocks, head_dim, scale, out, scratch, 1);
     return attention(q, q_stride_h, q_stride_b, k_cache, v_cache, tables, width, lengths, batch, heads, kv_heads,
                      num_blocks, head_dim, scale, out, scratch, 0);
-}
-
-int epd_decode_attention_bf16(const float *q, int64_t q_stride_h, int64_t q_stride_b, const uint16_t *k_cache,
-                              const uint16_t *v_cache, const int64_t *tables, int64_t width, const int64_t *lengths,
-                              int64_t batch, int64_t heads, int64_t kv_heads, int64_t num_blocks, int64_t head_dim,
-                              float scale, float *out, float *scratch) {
-    return attention(q, q_stride_h, q_stride_b, k_cache, v_cache, tables, width, lengths, batch, heads, kv_heads,
-                     num_blocks, head_dim, scale, out, scratch, 1);
 }

@@ -22,7 +22,6 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -47,13 +46,12 @@ class DecodeKernel:
     """
 
     def __init__(self, library: ctypes.CDLL) -> None:
+        fn = library.epd_decode_attention
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fns: dict[torch.dtype, Any] = {}
-        for dtype, name in ((torch.float32, "epd_decode_attention"), (torch.bfloat16, "epd_decode_attention_bf16")):
-            fn = getattr(library, name)
-            fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr]
-            fn.restype = ctypes.c_int
-            self._fns[dtype] = fn
+        bf16 = ctypes.c_int  # the cache holds bfloat16 (1) or float32 (0)
+        fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, bf16]
+        fn.restype = ctypes.c_int
+        self._fn = fn
 
     @staticmethod
     def applies(block_size: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -72,15 +70,17 @@ class DecodeKernel:
     ) -> torch.Tensor:
         heads, batch, head_dim = q.shape
         kv_heads, num_blocks = keys.shape[0], keys.shape[1]
+        if keys.dtype not in KV_DTYPES or values.dtype != keys.dtype:
+            raise ValueError(f"decode kernel: a {keys.dtype} / {values.dtype} cache (float32 or bfloat16, both alike)")
         width = tables.numel() // batch
         if q.dtype != torch.float32 or q.stride(-1) != 1:
             q = q.float().contiguous()  # the products are float32 whatever the cache holds
         scratch = torch.empty(heads // kv_heads * width * BLOCK_SIZE, dtype=torch.float32)  # per call: engines share it
         out = torch.empty(batch, heads, head_dim, dtype=torch.float32)
-        rc = self._fns[keys.dtype](
+        rc = self._fn(
             q.data_ptr(), q.stride(0), q.stride(1), keys.data_ptr(), values.data_ptr(), tables.data_ptr(),
             width, lengths.data_ptr(), batch, heads, kv_heads, num_blocks, head_dim, scale, out.data_ptr(),
-            scratch.data_ptr(),
+            scratch.data_ptr(), keys.dtype == torch.bfloat16,
         )  # fmt: skip
         if rc != 0:
             raise ValueError(f"decode kernel: unsupported shapes (heads {heads}, kv heads {kv_heads}, dim {head_dim})")
