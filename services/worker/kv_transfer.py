@@ -22,6 +22,7 @@ gRPC instead and the peer is not tried again for `RETRY_PAIR_S`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -179,7 +180,9 @@ class KVTransport(Protocol):
     name: str
     atomic: bool
 
-    async def send(self, call: Any, peer: str, chunk: KVChunk) -> None: ...
+    async def send(self, call: Any, peer: str, chunk: KVChunk) -> str:
+        """Send ``chunk``; the name of the transport that carried its bytes (a fallback's, when it fell back)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -190,9 +193,10 @@ class GrpcKV:
     name = "grpc"
     atomic = False
 
-    async def send(self, call: Any, peer: str, chunk: KVChunk) -> None:
+    async def send(self, call: Any, peer: str, chunk: KVChunk) -> str:
         for message in chunk_messages(chunk):
             await call.write(message)
+        return self.name
 
     def close(self) -> None:
         pass
@@ -210,7 +214,7 @@ class DistKV:
         self._retry_at: dict[str, float] = {}
         self.inline_chunks = 0
 
-    async def send(self, call: Any, peer: str, chunk: KVChunk) -> None:
+    async def send(self, call: Any, peer: str, chunk: KVChunk) -> str:
         async with self.pairs.lock(peer):
             pair = await self._pair(peer)
             if pair is not None:
@@ -222,9 +226,9 @@ class DistKV:
                 except DistError:
                     self.pairs.drop(peer, pair)
                     raise
-                return
+                return self.name
         self.inline_chunks += 1
-        await GRPC_KV.send(call, peer, chunk)
+        return await GRPC_KV.send(call, peer, chunk)
 
     async def _pair(self, peer: str) -> Any:
         """The live pair with ``peer``, made now if need be; None (and no new try for `RETRY_PAIR_S`) when that
@@ -275,13 +279,14 @@ class KVPusher:
 
     ``put`` (from the event loop) queues a chunk; ``close`` ends the stream after what is queued; ``ack`` is the
     decode worker's answer (raises grpc.aio.AioRpcError when the stream failed, DistError when a pair did: see
-    `is_failure`). Made on a running event loop."""
+    `is_failure`); ``bytes`` the bytes sent so far by the name of the transport that carried them. Made on a running
+    event loop."""
 
     def __init__(
         self, stub: worker_pb2_grpc.WorkerStub, timeout_s: float, transport: KVTransport = GRPC_KV, peer: str = ""
     ) -> None:
         self._queue: asyncio.Queue[KVChunk | None] = asyncio.Queue()
-        self.bytes = 0
+        self.bytes: collections.Counter[str] = collections.Counter()
         self._transport, self._peer = transport, peer
         self._call = stub.PushKV(timeout=timeout_s)
         self._current: asyncio.Future | None = None  # the chunk being sent
@@ -293,10 +298,10 @@ class KVPusher:
             chunk = await self._queue.get()
             if chunk is None:
                 break
-            self.bytes += chunk.nbytes
             current = self._current = asyncio.ensure_future(self._transport.send(self._call, self._peer, chunk))
             current.add_done_callback(_retrieve)
-            await (asyncio.shield(current) if self._transport.atomic else current)
+            carried = await (asyncio.shield(current) if self._transport.atomic else current)
+            self.bytes[carried] += chunk.nbytes
         await self._call.done_writing()
 
     def put(self, chunk: KVChunk) -> None:

@@ -229,8 +229,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                             raise
                         peer = request.kv_transfer.peer
                         await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push to {peer} failed: {exc}")
-                    sent = {"direction": "sent", "transport": self._kv_transport.name}
-                    self._metrics.kv_transfer_bytes.add(pusher.bytes, sent)
+                    for transport, sent in pusher.bytes.items():  # a dist push's inline fallbacks count as grpc
+                        self._metrics.kv_transfer_bytes.add(sent, {"direction": "sent", "transport": transport})
                     self._metrics.kv_transfer_seconds.record(time.perf_counter() - start)
                 finished = last.request_finished
                 generated += sum(len(out.new_token_ids) for out in outs)

@@ -54,13 +54,19 @@ def _pairs(timeout_s: float) -> SenderPairs:
     )
 
 
-async def _push(address: str, transport: DistKV, chunks: list[KVChunk], timeout_s: float = 20.0) -> int:
+async def _push(
+    address: str, transport: DistKV, chunks: list[KVChunk], timeout_s: float = 20.0, carried: dict | None = None
+) -> int:
+    """The bytes the decode side acknowledged; ``carried`` gets the pusher's bytes by the transport that sent them."""
     stub = worker_pb2_grpc.WorkerStub(grpc.aio.insecure_channel(address))
     pusher = KVPusher(stub, timeout_s, transport, address)
     for chunk in chunks:
         pusher.put(chunk)
     pusher.close()
-    return int((await pusher.ack()).bytes)
+    acked = int((await pusher.ack()).bytes)
+    if carried is not None:
+        carried.update(pusher.bytes)
+    return acked
 
 
 def test_kv_chunks_round_trip_bit_identical_over_one_gloo_pair() -> None:
@@ -73,10 +79,14 @@ def test_kv_chunks_round_trip_bit_identical_over_one_gloo_pair() -> None:
         address = f"127.0.0.1:{running.port}"
         transport = DistKV(_pairs(20.0))
         try:
-            acked = await asyncio.gather(*(_push(address, transport, chunks) for chunks in sent.values()))
+            carried: list[dict[str, int]] = [{} for _ in sent]
+            pairs = zip(sent.values(), carried, strict=True)
+            pushes = (_push(address, transport, chunks, carried=c) for chunks, c in pairs)
+            acked = await asyncio.gather(*pushes)
             pair = transport.pairs.current(address)
             assert pair is not None and not pair.closed  # both requests' chunks went on one pair, kept for the next
             assert transport.inline_chunks == 0
+            assert carried == [{"dist": n} for n in acked]
             totals = service._metrics.kv_transfer_bytes.totals
             assert totals[(("direction", "received"), ("transport", "dist"))] == sum(acked)
             assert totals.get((("direction", "received"), ("transport", "grpc")), 0) == 0  # no byte came by gRPC
@@ -140,8 +150,10 @@ def test_a_pair_that_cannot_be_made_sends_inline_and_delivers() -> None:
         address = f"127.0.0.1:{running.port}"
         transport = DistKV(_pairs(1.0))
         try:
-            acked = await asyncio.wait_for(_push(address, transport, chunks), 60)
+            carried: dict[str, int] = {}
+            acked = await asyncio.wait_for(_push(address, transport, chunks, carried=carried), 60)
             assert transport.inline_chunks == len(chunks) and transport.pairs.current(address) is None
+            assert carried == {"grpc": acked}  # counted as the transport that carried them, not the configured one
             return acked
         finally:
             transport.close()
