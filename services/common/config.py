@@ -142,7 +142,10 @@ class ServiceConfig:
         default="text", metadata={"help": "text, or json: one object per line with service, request and trace ids"}
     )
     device: str = dataclasses.field(default="cpu", metadata={"help": "cpu or cuda"})
-    dtype: str = dataclasses.field(default="float32", metadata={"help": "float32, bfloat16, float16"})
+    dtype: str = dataclasses.field(
+        default="auto",
+        metadata={"help": "float32, bfloat16, float16, or auto: the dtype the model folder's config declares"},
+    )
     torch_threads: int = dataclasses.field(default=0, metadata={"help": "intra-op CPU threads, 0 = torch's default"})
     embedding_cache_bytes: int = dataclasses.field(default=512 << 20, metadata={"help": "in-process LRU"})
     embedding_cache_ttl_s: int = dataclasses.field(default=3600, metadata={"help": "Redis TTL"})
@@ -164,8 +167,12 @@ class ServiceConfig:
             raise ConfigError(f"{env_name('model')} / {flag_name('model')}: a model folder is required")
         if self.log_format not in {"text", "json"}:
             raise ConfigError(f"{env_name('log_format')}: {self.log_format!r} is not text or json")
+        if self.dtype == "auto":  # resolved here, once: every reader of the config sees the dtype computed in
+            from services.models.loading import read_folder_dtype
+
+            self.dtype = read_folder_dtype(self.model)
         if self.dtype not in {"float32", "bfloat16", "float16"}:
-            raise ConfigError(f"{env_name('dtype')}: unknown dtype {self.dtype!r}")
+            raise ConfigError(f"{env_name('dtype')}: unknown dtype {self.dtype!r} (float32, bfloat16, float16, auto)")
         for name in ("port", "health_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{env_name(name)}: {getattr(self, name)} is not a port")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from services.common import config as config_lib
 from services.common import tensor_codec
 from services.common.hashing import ModelIdentity, mm_hash
 from services.common.transport_grpc import ChunkAssembler, Embedding, StreamError, iter_chunks
+from services.encoder.config import EncoderConfig
 from services.worker.config import WorkerConfig
 
 IDENTITY = ModelIdentity("qwen2_vl", "rev1", {"max_pixels": 100, "mean": [0.5, 0.5]})
@@ -65,3 +68,20 @@ def test_config_precedence_and_errors() -> None:
     with pytest.raises(config_lib.ConfigError, match="EPD_MAX_NUM_SEQS"):
         config_lib.load(WorkerConfig, env={"EPD_MODEL": "/m", "EPD_MAX_NUM_SEQS": "0"})
     assert config_lib.load(WorkerConfig, env=config_lib.to_env(cfg)) == cfg
+
+
+@pytest.mark.parametrize(
+    ("declared", "expected"),
+    [({"dtype": "bfloat16"}, "bfloat16"), ({"torch_dtype": "float16"}, "float16"),
+     ({"text_config": {"dtype": "bfloat16"}}, "bfloat16"), ({}, "float32"), ({"dtype": "int8"}, "float32")],
+)  # fmt: skip
+def test_dtype_auto_is_what_the_folder_declares(tmp_path: Path, declared: dict, expected: str) -> None:
+    """The default (`auto`) is resolved once, at load, to the folder's declared dtype (as transformers loads it),
+    for the encoder and the worker alike; a setting names it outright; anything else is refused by name."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl", **declared}))
+    env = {"EPD_MODEL": str(tmp_path)}
+    assert config_lib.load(WorkerConfig, env=env).dtype == expected
+    assert config_lib.load(EncoderConfig, env=env).dtype == expected
+    assert config_lib.load(WorkerConfig, env={**env, "EPD_DTYPE": "float16"}).dtype == "float16"
+    with pytest.raises(config_lib.ConfigError, match="EPD_DTYPE: unknown dtype 'half'"):
+        config_lib.load(WorkerConfig, env={**env, "EPD_DTYPE": "half"})

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from services.common import config as config_lib
 from services.worker.config import WorkerConfig
 from services.worker.engine.request import EngineRequest, SamplingOptions
 from services.worker.engine_host.process_host import EngineGone, EngineProcess
@@ -42,7 +43,9 @@ class Stream:
 
 
 def config(model_dir: Path, **overrides: Any) -> WorkerConfig:
-    return WorkerConfig(model=str(model_dir), kv_cache_bytes=8 << 20, torch_threads=1, **overrides)
+    """A worker's settings as a worker loads them (validated: its dtype the folder's), whatever this shell sets."""
+    settings = {"model": str(model_dir), "kv_cache_bytes": 8 << 20, "torch_threads": 1, **overrides}
+    return config_lib.load(WorkerConfig, env={}, **settings)
 
 
 CHILD_LOST = threading.Event()
