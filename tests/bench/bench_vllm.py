@@ -55,8 +55,9 @@ CLIENTS = ("epd", "vllm")
 SERVERS = ("epd", "vllm")
 
 
-def model_folder(out_dir: Path, text_width: int, text_layers: int) -> Path:
-    """make_tiny_model's Qwen2-VL folder without its `video_preprocessor_config.json`.
+def model_folder(out_dir: Path, text_width: int, text_layers: int, dtype: str = "float32") -> Path:
+    """make_tiny_model's Qwen2-VL folder without its `video_preprocessor_config.json`, its weights and declared
+    dtype ``dtype`` (bfloat16: as released checkpoints are saved; both servers then compute in it by default).
 
     That file says `do_sample_frames: true` (2 fps, as qwen-vl-utils samples). vLLM 0.32's Qwen2-VL profiles
     its encoder at startup with a dummy video passed to transformers' video processor without metadata, which
@@ -68,7 +69,25 @@ def model_folder(out_dir: Path, text_width: int, text_layers: int) -> Path:
 
     folder = make_tiny_model(out_dir, "qwen2-vl", text_width=text_width, text_layers=text_layers)
     (folder / "video_preprocessor_config.json").unlink()
+    if dtype != "float32":
+        _cast_folder(folder, dtype)
     return folder
+
+
+def _cast_folder(folder: Path, dtype: str) -> None:
+    """Store the folder's floating-point weights in ``dtype`` and declare it wherever its config declares one."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = folder / "model.safetensors"
+    target = getattr(torch, dtype)
+    state = {k: v.to(target) if v.is_floating_point() else v for k, v in load_file(weights).items()}
+    save_file(state, str(weights), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    for section in (config, config.get("text_config", {}), config.get("vision_config", {})):
+        if "dtype" in section:
+            section["dtype"] = dtype
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _http_ok(url: str) -> bool:
@@ -265,6 +284,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--image-size", default="448x448", help="WIDTHxHEIGHT")
     parser.add_argument("--text-width", type=int, default=256, help="the model's hidden size (multiple of 64)")
     parser.add_argument("--text-layers", type=int, default=8, help="the model's layers")
+    parser.add_argument(
+        "--folder-dtype", choices=("float32", "bfloat16"), default="float32", help="the folder's weights and dtype"
+    )
     parser.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--warmup", type=int, default=2, help="untimed requests per server and client first")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="each workload's deadline")
@@ -300,7 +322,7 @@ def measure(args: argparse.Namespace, tmp: Path, seed: int, out: dict[str, Any])
     from tests.bench.bench_serve import local_cluster
     from tests.bench.openai_stream import Endpoint
 
-    model_dir = model_folder(tmp / "model", args.text_width, args.text_layers)
+    model_dir = model_folder(tmp / "model", args.text_width, args.text_layers, args.folder_dtype)
     vllm_log = tmp / "vllm-server.log"
     results: dict[str, dict[str, dict]] = {}
     with contextlib.ExitStack() as stack:
@@ -359,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     out["ratios"] = by_client
     out["acceptance"] = acceptance(by_client)
     out["load_average_end"] = os.getloadavg()
-    print(f"\nepd vs vLLM-cpu {out['versions']['vllm'].get('vllm-cpu')}, one folder, default settings; {out['box']}")
+    vllm_version = out["versions"]["vllm"].get("vllm-cpu")
+    print(f"\nepd vs vLLM-cpu {vllm_version}, one {args.folder_dtype} folder, default settings; {out['box']}")
     print(table(results))
     if "epd_leak_check_after_vllm_client" in out:
         from tests.bench.bench_serve import leak_line

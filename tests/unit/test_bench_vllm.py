@@ -176,6 +176,22 @@ def test_the_shared_folder_fits_vllms_cpu_attention_and_has_no_video_processor_f
     assert "do_sample_frames" not in read_video_processor_dict(folder)  # the image processor's file instead
 
 
+def test_a_bfloat16_folder_holds_and_declares_bfloat16(tmp_path: Path) -> None:
+    """`--folder-dtype bfloat16`: every floating-point weight stored in bfloat16 and the dtype declared where the
+    config declares one, so both servers' defaults (vLLM's auto, epd's `EPD_DTYPE=auto`) compute in it."""
+    from safetensors import safe_open
+
+    from services.models.loading import read_folder_dtype
+
+    folder = model_folder(tmp_path / "model", 256, 2, "bfloat16")
+    with safe_open(str(folder / "model.safetensors"), "pt") as weights:
+        dtypes = {weights.get_slice(name).get_dtype() for name in weights.keys()}  # noqa: SIM118 (not a dict)
+    assert dtypes == {"BF16"}
+    config = json.loads((folder / "config.json").read_text())
+    assert config["dtype"] == config["text_config"]["dtype"] == "bfloat16"
+    assert read_folder_dtype(folder) == "bfloat16"
+
+
 class _Models(http.server.BaseHTTPRequestHandler):
     model = ""
 
