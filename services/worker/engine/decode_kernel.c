@@ -58,28 +58,8 @@ static inline v8f vexp_neg(v8f x) {
     return y * (v8f)e;
 }
 
-/* Probabilities of one query head over its context, 16 per block, into scores[0 .. nblocks * 16). */
-static inline __attribute__((always_inline)) void softmax_scores(
-    const float *qq, const void *k_head, int64_t k_off, const int64_t *table, int64_t nblocks, int64_t len,
-    int64_t head_dim, float scale, float *scores, int bf16) {
-    v8f ml = splat(-1e30f), mh = ml;
-    for (int64_t j = 0; j < nblocks; j++) {
-        const int64_t kt = k_off + table[j] * head_dim * BS;
-        v8f s0l = splat(0.0f), s0h = s0l, s1l = s0l, s1h = s0l; /* two chains per half: head_dim is even */
-        for (int64_t d = 0; d < head_dim; d += 2) {
-            const float q0 = qq[d], q1 = qq[d + 1];
-            s0l += q0 * load_kv(k_head, kt + d * BS, bf16);
-            s0h += q0 * load_kv(k_head, kt + d * BS + HALF, bf16);
-            s1l += q1 * load_kv(k_head, kt + (d + 1) * BS, bf16);
-            s1h += q1 * load_kv(k_head, kt + (d + 1) * BS + HALF, bf16);
-        }
-        float *sj = scores + j * BS;
-        store(sj, (s0l + s1l) * scale);
-        store(sj + HALF, (s0h + s1h) * scale);
-        for (int64_t i = len - j * BS; i < BS; i++) sj[i] = -1e30f; /* past the context (last block) */
-        ml = vmax(ml, load(sj));
-        mh = vmax(mh, load(sj + HALF));
-    }
+/* scores[0 .. nblocks * 16) = exp(scores - their maximum) / their sum; (ml, mh): the maxima of each lane. */
+static inline __attribute__((always_inline)) void normalise(float *scores, int64_t nblocks, v8f ml, v8f mh) {
     const float m = hmax(vmax(ml, mh));
     v8f sl = splat(0.0f), sh = sl;
     for (int64_t j = 0; j < nblocks; j++) {
@@ -97,24 +77,81 @@ static inline __attribute__((always_inline)) void softmax_scores(
     for (int64_t j = 0; j < nblocks * BS; j += HALF) store(scores + j, load(scores + j) * inv);
 }
 
-/* out[0 .. head_dim) = sum over the context of p[t] * v[t]; 8 dims at a time, four accumulators. */
-static inline __attribute__((always_inline)) void weighted_values(
-    const float *p, const void *v_head, int64_t v_off, const int64_t *table, int64_t nblocks, int64_t head_dim,
-    float *out, int bf16) {
-    const int64_t D = head_dim;
-    for (int64_t dc = 0; dc < D; dc += HALF) {
-        v8f a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t j = 0; j < nblocks; j++) {
-            const int64_t vb = v_off + table[j] * BS * D + dc;
-            const float *pj = p + j * BS; /* 0 past the context, so whole blocks are summed */
-            for (int i = 0; i < BS; i += 4) {
-                a0 += pj[i] * load_kv(v_head, vb + i * D, bf16);
-                a1 += pj[i + 1] * load_kv(v_head, vb + (i + 1) * D, bf16);
-                a2 += pj[i + 2] * load_kv(v_head, vb + (i + 2) * D, bf16);
-                a3 += pj[i + 3] * load_kv(v_head, vb + (i + 3) * D, bf16);
+/* Probabilities of query head qa (and, with pair, of qb: a second head of the same KV head) over its context, 16
+ * per block, into sa (sb). A pair loads each key vector once for both heads; each head's sums are the same, in
+ * the same order, as alone: even and odd dims in two chains per half, added at the end of the block. */
+static inline __attribute__((always_inline)) void softmax_scores(
+    const float *qa, const float *qb, const void *k_head, int64_t k_off, const int64_t *table, int64_t nblocks,
+    int64_t len, int64_t head_dim, float scale, float *sa, float *sb, int pair, int bf16) {
+    v8f mla = splat(-1e30f), mha = mla, mlb = mla, mhb = mla;
+    for (int64_t j = 0; j < nblocks; j++) {
+        const int64_t kt = k_off + table[j] * head_dim * BS;
+        v8f a0l = splat(0.0f), a0h = a0l, a1l = a0l, a1h = a0l; /* two chains per half: head_dim is even */
+        v8f b0l = a0l, b0h = a0l, b1l = a0l, b1h = a0l;
+        for (int64_t d = 0; d < head_dim; d += 2) {
+            const v8f k0l = load_kv(k_head, kt + d * BS, bf16), k0h = load_kv(k_head, kt + d * BS + HALF, bf16);
+            const v8f k1l = load_kv(k_head, kt + (d + 1) * BS, bf16);
+            const v8f k1h = load_kv(k_head, kt + (d + 1) * BS + HALF, bf16);
+            a0l += qa[d] * k0l;
+            a0h += qa[d] * k0h;
+            a1l += qa[d + 1] * k1l;
+            a1h += qa[d + 1] * k1h;
+            if (pair) {
+                b0l += qb[d] * k0l;
+                b0h += qb[d] * k0h;
+                b1l += qb[d + 1] * k1l;
+                b1h += qb[d + 1] * k1h;
             }
         }
-        store(out + dc, (a0 + a1) + (a2 + a3));
+        const int64_t past = len - j * BS; /* tokens of this block inside the context */
+        float *aj = sa + j * BS;
+        store(aj, (a0l + a1l) * scale);
+        store(aj + HALF, (a0h + a1h) * scale);
+        for (int64_t i = past; i < BS; i++) aj[i] = -1e30f; /* past the context (last block) */
+        mla = vmax(mla, load(aj));
+        mha = vmax(mha, load(aj + HALF));
+        if (pair) {
+            float *bj = sb + j * BS;
+            store(bj, (b0l + b1l) * scale);
+            store(bj + HALF, (b0h + b1h) * scale);
+            for (int64_t i = past; i < BS; i++) bj[i] = -1e30f;
+            mlb = vmax(mlb, load(bj));
+            mhb = vmax(mhb, load(bj + HALF));
+        }
+    }
+    normalise(sa, nblocks, mla, mha);
+    if (pair) normalise(sb, nblocks, mlb, mhb);
+}
+
+/* out[0 .. head_dim) = sum over the context of p[t] * v[t] for head pa's probabilities into oa (and pb's into ob,
+ * with pair: each value vector loaded once for both); 8 dims at a time, four accumulators per head, in the same
+ * order either way. */
+static inline __attribute__((always_inline)) void weighted_values(
+    const float *pa, const float *pb, const void *v_head, int64_t v_off, const int64_t *table, int64_t nblocks,
+    int64_t head_dim, float *oa, float *ob, int pair, int bf16) {
+    const int64_t D = head_dim;
+    for (int64_t dc = 0; dc < D; dc += HALF) {
+        v8f a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        for (int64_t j = 0; j < nblocks; j++) {
+            const int64_t vb = v_off + table[j] * BS * D + dc;
+            const float *pja = pa + j * BS, *pjb = pb + j * BS; /* 0 past the context: whole blocks are summed */
+            for (int i = 0; i < BS; i += 4) {
+                const v8f v0 = load_kv(v_head, vb + i * D, bf16), v1 = load_kv(v_head, vb + (i + 1) * D, bf16);
+                const v8f v2 = load_kv(v_head, vb + (i + 2) * D, bf16), v3 = load_kv(v_head, vb + (i + 3) * D, bf16);
+                a0 += pja[i] * v0;
+                a1 += pja[i + 1] * v1;
+                a2 += pja[i + 2] * v2;
+                a3 += pja[i + 3] * v3;
+                if (pair) {
+                    b0 += pjb[i] * v0;
+                    b1 += pjb[i + 1] * v1;
+                    b2 += pjb[i + 2] * v2;
+                    b3 += pjb[i + 3] * v3;
+                }
+            }
+        }
+        store(oa + dc, (a0 + a1) + (a2 + a3));
+        if (pair) store(ob + dc, (b0 + b1) + (b2 + b3));
     }
 }
 
@@ -128,14 +165,26 @@ static inline __attribute__((always_inline)) int attention(
         const int64_t len = lengths[b], nblocks = (len + BS - 1) / BS;
         const int64_t *table = tables + b * width;
         for (int64_t g = 0; g < kv_heads; g++) {
-            for (int64_t qi = 0; qi < group; qi++) {
-                const float *qq = q + (g * group + qi) * q_stride_h + b * q_stride_b;
-                softmax_scores(qq, k_cache, g * head_stride, table, nblocks, len, head_dim, scale,
-                               scratch + qi * width * BS, bf16);
+            /* the group's query heads two at a time (the last alone when the group is odd) */
+            for (int64_t qi = 0; qi < group; qi += 2) {
+                const float *qa = q + (g * group + qi) * q_stride_h + b * q_stride_b;
+                float *sa = scratch + qi * width * BS;
+                if (qi + 1 < group)
+                    softmax_scores(qa, qa + q_stride_h, k_cache, g * head_stride, table, nblocks, len, head_dim, scale,
+                                   sa, sa + width * BS, 1, bf16);
+                else
+                    softmax_scores(qa, qa, k_cache, g * head_stride, table, nblocks, len, head_dim, scale, sa, sa, 0,
+                                   bf16);
             }
-            for (int64_t qi = 0; qi < group; qi++)
-                weighted_values(scratch + qi * width * BS, v_cache, g * head_stride, table, nblocks, head_dim,
-                                out + (b * heads + g * group + qi) * head_dim, bf16);
+            for (int64_t qi = 0; qi < group; qi += 2) {
+                const float *pa = scratch + qi * width * BS;
+                float *oa = out + (b * heads + g * group + qi) * head_dim;
+                if (qi + 1 < group)
+                    weighted_values(pa, pa + width * BS, v_cache, g * head_stride, table, nblocks, head_dim, oa,
+                                    oa + head_dim, 1, bf16);
+                else
+                    weighted_values(pa, pa, v_cache, g * head_stride, table, nblocks, head_dim, oa, oa, 0, bf16);
+            }
         }
     }
     return 0;
