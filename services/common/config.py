@@ -167,12 +167,12 @@ class ServiceConfig:
             raise ConfigError(f"{env_name('model')} / {flag_name('model')}: a model folder is required")
         if self.log_format not in {"text", "json"}:
             raise ConfigError(f"{env_name('log_format')}: {self.log_format!r} is not text or json")
-        if self.dtype == "auto":  # resolved here, once: every reader of the config sees the dtype computed in
-            from services.models.loading import read_folder_dtype
+        from services.models.loading import DTYPES, read_folder_dtype
 
+        if self.dtype == "auto":  # resolved here, once: every reader of the config sees the dtype computed in
             self.dtype = read_folder_dtype(self.model)
-        if self.dtype not in {"float32", "bfloat16", "float16"}:
-            raise ConfigError(f"{env_name('dtype')}: unknown dtype {self.dtype!r} (float32, bfloat16, float16, auto)")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"{env_name('dtype')}: unknown dtype {self.dtype!r} ({', '.join(DTYPES)}, auto)")
         for name in ("port", "health_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{env_name(name)}: {getattr(self, name)} is not a port")

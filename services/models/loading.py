@@ -35,14 +35,14 @@ def read_model_type(model_dir: Path) -> str:
     return model_type
 
 
-FOLDER_DTYPES = ("float32", "bfloat16", "float16")
-"""The dtypes a folder's config may declare that the services compute in."""
+DTYPES = ("float32", "bfloat16", "float16")
+"""The dtypes the services compute in (`EPD_DTYPE`), and those a folder's declaration is taken from."""
 
 
 def read_folder_dtype(model_dir: Path) -> str:
     """The dtype the folder's config.json declares (``dtype``, or the older ``torch_dtype``; the top level first,
     then ``text_config``), as transformers loads it by default; ``float32`` when it declares none of
-    `FOLDER_DTYPES` or the folder has no config.json (whose absence is reported where the folder is loaded)."""
+    `DTYPES` or the folder has no config.json (whose absence is reported where the folder is loaded)."""
     path = Path(model_dir) / "config.json"
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
@@ -51,7 +51,7 @@ def read_folder_dtype(model_dir: Path) -> str:
     for section in (config, config.get("text_config") or {}):
         for key in ("dtype", "torch_dtype"):
             value = section.get(key) if isinstance(section, dict) else None
-            if value in FOLDER_DTYPES:
+            if value in DTYPES:
                 return value
     return "float32"
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.kv_layout import WORKER_ROLES
+from services.models.loading import DTYPES
 from services.worker.engine.tensor_parallel.plan import check_size
 
-DTYPES = ("float32", "bfloat16", "float16")
 _GRAPH_ALIASES = {"true": "auto", "false": "off"}
 ATTENTION_BACKENDS = ("auto", "cpu-kernel", "sdpa", "flash", "flash-reference", "triton")
 CUDA_GRAPH_MODES = ("auto", "on", "off", "eager")
