@@ -1,26 +1,30 @@
 """Choosing a model adapter for a folder, and naming the folder's weights.
 
 `load_adapter` maps the folder's `config.model_type` to an adapter class through one dict: adding a
-family means adding its adapter module and one entry here, nothing anywhere else.
+family means adding its adapter module and one entry here, nothing anywhere else. The dict names each class by
+module and attribute, imported only when a folder of that family is loaded: reading which families exist (the
+launcher's checks) imports no torch or transformers.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from services.models.base import ModelAdapter
-from services.models.llava import LlavaAdapter
 from services.models.loading import read_model_type
-from services.models.qwen2_vl import Qwen2VLAdapter
-from services.models.qwen3_vl import Qwen3VLAdapter
 
-ADAPTERS: dict[str, type[Qwen2VLAdapter] | type[LlavaAdapter]] = {
-    "qwen2_vl": Qwen2VLAdapter,
-    "qwen2_5_vl": Qwen2VLAdapter,
-    "qwen3_vl": Qwen3VLAdapter,
-    "llava": LlavaAdapter,
+if TYPE_CHECKING:
+    from services.models.base import ModelAdapter
+
+ADAPTERS: dict[str, str] = {
+    "qwen2_vl": "services.models.qwen2_vl:Qwen2VLAdapter",
+    "qwen2_5_vl": "services.models.qwen2_vl:Qwen2VLAdapter",
+    "qwen3_vl": "services.models.qwen3_vl:Qwen3VLAdapter",
+    "llava": "services.models.llava:LlavaAdapter",
 }
+"""model_type -> the adapter class, as ``module:attribute``."""
 
 _EDGE_BYTES = 1 << 20
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -33,11 +37,17 @@ def load_adapter(model_dir: Path) -> ModelAdapter:
     Raises ValueError naming the type when no adapter handles it.
     """
     model_type = read_model_type(Path(model_dir))
-    adapter_cls = ADAPTERS.get(model_type)
-    if adapter_cls is None:
+    return adapter_class(model_type).from_folder(Path(model_dir))
+
+
+def adapter_class(model_type: str) -> type[ModelAdapter]:
+    """The adapter class serving ``model_type`` (its module imported now); ValueError naming the type if none."""
+    name = ADAPTERS.get(model_type)
+    if name is None:
         known = ", ".join(sorted(ADAPTERS))
         raise ValueError(f"no adapter for model_type {model_type!r} (supported: {known})")
-    return adapter_cls.from_folder(Path(model_dir))
+    module, attribute = name.split(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def model_revision(model_dir: Path) -> str:

@@ -261,3 +261,26 @@ def test_client_commands_run_without_torch(argv: list[str], tmp_path: Path) -> N
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
     if "--help" not in argv:
         assert done.returncode == 1, done.stdout + done.stderr  # it got as far as the call
+
+
+def test_up_checks_its_model_folder_and_ports_without_torch(tiny_model_dir: Path) -> None:
+    """`epd up`'s checks (device, model folder and its family, ports) run before anything starts and load neither
+    torch nor transformers: a port in use is reported in about a second, not after the model code's imports."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ["up", "--model", str(tiny_model_dir), "--port", str(port)]
+        code = (
+            "import atexit, sys\n"
+            "atexit.register(lambda: print(sorted(m for m in ('torch', 'transformers') if m in sys.modules)))\n"
+            "from services.cli import main\n"
+            f"sys.exit(main({args!r}))\n"
+        )
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and f"port {port} (router gRPC) is already in use" in done.stderr, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
