@@ -99,13 +99,15 @@ def _http_ok(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def vllm_server(venv: Path, model_dir: Path, port: int, kv_gib: int, log_path: Path) -> Iterator[subprocess.Popen]:
+def vllm_server(
+    venv: Path, model_dir: Path, port: int, kv_gib: int, log_path: Path, dtype: str = "auto"
+) -> Iterator[subprocess.Popen]:
     """vLLM's OpenAI server on 127.0.0.1:`port` in a process group of its own (its engine core and worker are
     children), stopped with the group on the way out."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
     with log_path.open("wb") as log:
         popen = subprocess.Popen(
-            vllm_venv.server_command(venv, model_dir, port),
+            vllm_venv.server_command(venv, model_dir, port, dtype),
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -288,6 +290,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--folder-dtype", choices=("float32", "bfloat16"), default="float32", help="the folder's weights and dtype"
     )
     parser.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument(
+        "--vllm-dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="vLLM's --dtype (auto, its default: bfloat16 for a float32 folder on the CPU, whatever the CPU)",
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed requests per server and client first")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="each workload's deadline")
     parser.add_argument("--startup-timeout-s", type=float, default=600.0, help="for each server to be ready")
@@ -333,7 +341,9 @@ def measure(args: argparse.Namespace, tmp: Path, seed: int, out: dict[str, Any])
         vllm_at: tuple[str, int] | None = None
         if "vllm" in args.servers:
             port = free_port()
-            vllm = stack.enter_context(vllm_server(args.vllm_venv, model_dir, port, args.vllm_kv_gib, vllm_log))
+            vllm = stack.enter_context(
+                vllm_server(args.vllm_venv, model_dir, port, args.vllm_kv_gib, vllm_log, args.vllm_dtype)
+            )
             wait_for_vllm(vllm, port, str(model_dir), vllm_log, args.startup_timeout_s)
             vllm_at = (f"http://127.0.0.1:{port}", vllm.pid)
             out["servers"]["vllm"] = {"url": vllm_at[0], "pid": vllm.pid}
@@ -382,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     out["acceptance"] = acceptance(by_client)
     out["load_average_end"] = os.getloadavg()
     vllm_version = out["versions"]["vllm"].get("vllm-cpu")
-    print(f"\nepd vs vLLM-cpu {vllm_version}, one {args.folder_dtype} folder, default settings; {out['box']}")
+    settings = "default settings" if args.vllm_dtype == "auto" else f"vLLM --dtype {args.vllm_dtype}, else defaults"
+    print(f"\nepd vs vLLM-cpu {vllm_version}, one {args.folder_dtype} folder, {settings}; {out['box']}")
     print(table(results))
     if "epd_leak_check_after_vllm_client" in out:
         from tests.bench.bench_serve import leak_line

@@ -125,10 +125,12 @@ def importable(venv: Path) -> str:
     return (out.stderr.strip().splitlines() or ["failed"])[-1]
 
 
-def server_command(venv: Path, model_dir: Path, port: int) -> list[str]:
-    """`vllm serve MODEL_DIR --host 127.0.0.1 --port PORT`, every other setting vLLM's default."""
+def server_command(venv: Path, model_dir: Path, port: int, dtype: str = "auto") -> list[str]:
+    """`vllm serve MODEL_DIR --host 127.0.0.1 --port PORT`, every other setting vLLM's default (``dtype`` other
+    than its default ``auto`` adds `--dtype`)."""
     module = "vllm.entrypoints.openai.api_server"
-    return [str(python(venv)), "-m", module, "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port)]
+    command = [str(python(venv)), "-m", module, "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port)]
+    return command if dtype == "auto" else [*command, "--dtype", dtype]
 
 
 def client_command(venv: Path, args: list[str]) -> list[str]:

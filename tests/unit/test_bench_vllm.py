@@ -127,6 +127,19 @@ def test_servers_are_both_or_epd_alone() -> None:
             parse_args(["--servers", wrong])
 
 
+def test_vllm_server_takes_its_default_dtype_unless_one_is_named(tmp_path: Path) -> None:
+    """`--vllm-dtype auto` (the default) leaves vLLM's own choice; float32 / bfloat16 become its `--dtype`."""
+    assert parse_args([]).vllm_dtype == "auto"
+    default = vllm_venv.server_command(tmp_path, tmp_path / "model", 8123)
+    assert "--dtype" not in default and default[-2:] == ["--port", "8123"]
+    named = vllm_venv.server_command(
+        tmp_path, tmp_path / "model", 8123, parse_args(["--vllm-dtype", "float32"]).vllm_dtype
+    )
+    assert named[-2:] == ["--dtype", "float32"] and named[:-2] == default
+    with pytest.raises(SystemExit):
+        parse_args(["--vllm-dtype", "float64"])
+
+
 META = """import functools
 
 import torch
