@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -237,10 +239,6 @@ def test_the_cli_loads_without_torch() -> None:
 def test_client_commands_run_without_torch(argv: list[str], tmp_path: Path) -> None:
     """A client command run to its end (flags parsed, the image read and sniffed, the request built, the
     router dialled: nothing listens, so it fails there) loads neither torch nor transformers."""
-    import socket
-    import subprocess
-    import sys
-
     from tests import media_factory
 
     image = tmp_path / "cat.png"
@@ -251,13 +249,7 @@ def test_client_commands_run_without_torch(argv: list[str], tmp_path: Path) -> N
     args = [a.format(image=image, address=address) for a in argv]
     if argv[0] in ("generate", "count") and "--help" not in argv:
         args += ["--address", address]
-    code = (
-        "import atexit, sys\n"
-        "atexit.register(lambda: print(sorted(m for m in ('torch', 'transformers') if m in sys.modules)))\n"
-        "from services.cli import main\n"
-        f"sys.exit(main({args!r}))\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = _run_cli_noting_torch(args)
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
     if "--help" not in argv:
         assert done.returncode == 1, done.stdout + done.stderr  # it got as far as the call
@@ -266,21 +258,21 @@ def test_client_commands_run_without_torch(argv: list[str], tmp_path: Path) -> N
 def test_up_checks_its_model_folder_and_ports_without_torch(tiny_model_dir: Path) -> None:
     """`epd up`'s checks (device, model folder and its family, ports) run before anything starts and load neither
     torch nor transformers: a port in use is reported in about a second, not after the model code's imports."""
-    import socket
-    import subprocess
-    import sys
-
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        args = ["up", "--model", str(tiny_model_dir), "--port", str(port)]
-        code = (
-            "import atexit, sys\n"
-            "atexit.register(lambda: print(sorted(m for m in ('torch', 'transformers') if m in sys.modules)))\n"
-            "from services.cli import main\n"
-            f"sys.exit(main({args!r}))\n"
-        )
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        done = _run_cli_noting_torch(["up", "--model", str(tiny_model_dir), "--port", str(port)])
     assert done.returncode == 1 and f"port {port} (router gRPC) is already in use" in done.stderr, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
+
+
+def _run_cli_noting_torch(args: list[str]) -> subprocess.CompletedProcess:
+    """`epd ARGS` in a fresh interpreter whose last stdout line lists which of torch and transformers it loaded."""
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print(sorted(m for m in ('torch', 'transformers') if m in sys.modules)))\n"
+        "from services.cli import main\n"
+        f"sys.exit(main({args!r}))\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
