@@ -16,128 +16,133 @@
 #include <string.h>
 
 #define BS 16 /* tokens per block */
-#define HALF 8 /* lanes per vector: a block's 16 tokens are two vectors */
 
-/* 8-lane vectors are one register on AVX2 and on wider machines. 16-lane ones went through the stack on every
- * operation without AVX-512 (GCC 12 for znver1), which made the kernel 2-3x slower there. Each lane's
- * arithmetic and the order of every sum are those of one 16-lane vector per block. */
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef uint16_t v8h __attribute__((vector_size(16)));
+/* VL lanes per vector: 16 (one AVX-512 register, a block's 16 tokens in one vector) where the compiler targets
+ * AVX-512, else 8 (one AVX2 register, a block is two vectors): 16-lane GCC vectors went through the stack on every
+ * operation without AVX-512 (GCC 12 for znver1), 2-3x slower there. Each lane's arithmetic and the order of every
+ * sum are the same at either width, so the outputs are the same bits. */
+#ifndef VL /* a build may choose (tests build both widths) */
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
+#endif
+#define NV (BS / VL) /* vectors per block */
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+typedef uint16_t vh __attribute__((vector_size(VL * 2)));
 
-static inline v8f load(const float *p) { v8f v; memcpy(&v, p, sizeof v); return v; }
-/* 8 bfloat16 values as float32: a bfloat16 is the upper half of the float32 with the same bits */
-static inline v8f load_bf16(const uint16_t *p) {
-    v8h h;
+static inline vf load(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+/* VL bfloat16 values as float32: a bfloat16 is the upper half of the float32 with the same bits */
+static inline vf load_bf16(const uint16_t *p) {
+    vh h;
     memcpy(&h, p, sizeof h);
-    return (v8f)(__builtin_convertvector(h, v8i) << 16);
+    return (vf)(__builtin_convertvector(h, vi) << 16);
 }
 /* K/V element i of a cache that holds float32 (bf16 == 0) or bfloat16; the flag is a constant in each entry point */
-static inline __attribute__((always_inline)) v8f load_kv(const void *base, int64_t i, int bf16) {
+static inline __attribute__((always_inline)) vf load_kv(const void *base, int64_t i, int bf16) {
     return bf16 ? load_bf16((const uint16_t *)base + i) : load((const float *)base + i);
 }
-static inline void store(float *p, v8f v) { memcpy(p, &v, sizeof v); }
-static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
-static inline v8f vmax(v8f a, v8f b) { v8i m = a > b; return (v8f)(((v8i)a & m) | ((v8i)b & ~m)); }
-static inline float hmax(v8f v) { float m = v[0]; for (int i = 1; i < HALF; i++) m = v[i] > m ? v[i] : m; return m; }
+static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline vf splat(float x) { vf v = {0}; return v + x; }
+static inline vf vmax(vf a, vf b) { vi m = a > b; return (vf)(((vi)a & m) | ((vi)b & ~m)); }
+static inline float hmax(vf v) { float m = v[0]; for (int i = 1; i < VL; i++) m = v[i] > m ? v[i] : m; return m; }
 
 /* exp(x) lane-wise for x <= 0: Cephes expf's range reduction and polynomial (about 1 ulp); x below -87
  * gives about 1e-38, i.e. nothing next to the maximum's exp(0) = 1. */
-static inline v8f vexp_neg(v8f x) {
+static inline vf vexp_neg(vf x) {
     x = vmax(x, splat(-87.0f));
-    v8f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    v8f r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    v8f p = splat(1.9875691500e-4f);
+    vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vf p = splat(1.9875691500e-4f);
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
-    v8f y = p * r * r + r + 1.0f;
-    v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
-    return y * (v8f)e;
+    vf y = p * r * r + r + 1.0f;
+    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    return y * (vf)e;
 }
 
-/* scores[0 .. nblocks * 16) = exp(scores - their maximum) / their sum; (ml, mh): the maxima of each lane. */
-static inline __attribute__((always_inline)) void normalise(float *scores, int64_t nblocks, v8f ml, v8f mh) {
-    const float m = hmax(vmax(ml, mh));
-    v8f sl = splat(0.0f), sh = sl;
+/* scores[0 .. nblocks * 16) = exp(scores - their maximum) / their sum; m: the maxima of each lane. */
+static inline __attribute__((always_inline)) void normalise(float *scores, int64_t nblocks, const vf *m) {
+    vf mm = m[0];
+    for (int k = 1; k < NV; k++) mm = vmax(mm, m[k]);
+    const float top = hmax(mm);
+    vf s[NV];
+    for (int k = 0; k < NV; k++) s[k] = splat(0.0f);
     for (int64_t j = 0; j < nblocks; j++) {
         float *sj = scores + j * BS;
-        v8f el = vexp_neg(load(sj) - m), eh = vexp_neg(load(sj + HALF) - m);
-        store(sj, el);
-        store(sj + HALF, eh);
-        sl += el;
-        sh += eh;
+        for (int k = 0; k < NV; k++) {
+            const vf e = vexp_neg(load(sj + k * VL) - top);
+            store(sj + k * VL, e);
+            s[k] += e;
+        }
     }
-    float sum = 0.0f; /* lanes 0 .. 15 in order */
-    for (int i = 0; i < HALF; i++) sum += sl[i];
-    for (int i = 0; i < HALF; i++) sum += sh[i];
+    float sum = 0.0f; /* a block's lanes 0 .. 15 in order */
+    for (int k = 0; k < NV; k++)
+        for (int i = 0; i < VL; i++) sum += s[k][i];
     const float inv = 1.0f / sum;
-    for (int64_t j = 0; j < nblocks * BS; j += HALF) store(scores + j, load(scores + j) * inv);
+    for (int64_t j = 0; j < nblocks * BS; j += VL) store(scores + j, load(scores + j) * inv);
 }
 
 /* Probabilities of query head qa (and, with pair, of qb: a second head of the same KV head) over its context, 16
  * per block, into sa (sb). A pair loads each key vector once for both heads; each head's sums are the same, in
- * the same order, as alone: even and odd dims in two chains per half, added at the end of the block. */
+ * the same order, as alone: even and odd dims in two chains per vector, added at the end of the block. */
 static inline __attribute__((always_inline)) void softmax_scores(
     const float *qa, const float *qb, const void *k_head, int64_t k_off, const int64_t *table, int64_t nblocks,
     int64_t len, int64_t head_dim, float scale, float *sa, float *sb, int pair, int bf16) {
-    v8f mla = splat(-1e30f), mha = mla, mlb = mla, mhb = mla;
+    vf ma[NV], mb[NV];
+    for (int k = 0; k < NV; k++) ma[k] = mb[k] = splat(-1e30f);
     for (int64_t j = 0; j < nblocks; j++) {
         const int64_t kt = k_off + table[j] * head_dim * BS;
-        v8f a0l = splat(0.0f), a0h = a0l, a1l = a0l, a1h = a0l; /* two chains per half: head_dim is even */
-        v8f b0l = a0l, b0h = a0l, b1l = a0l, b1h = a0l;
+        vf a0[NV], a1[NV], b0[NV], b1[NV]; /* two chains per vector: head_dim is even */
+        for (int k = 0; k < NV; k++) a0[k] = a1[k] = b0[k] = b1[k] = splat(0.0f);
         for (int64_t d = 0; d < head_dim; d += 2) {
-            const v8f k0l = load_kv(k_head, kt + d * BS, bf16), k0h = load_kv(k_head, kt + d * BS + HALF, bf16);
-            const v8f k1l = load_kv(k_head, kt + (d + 1) * BS, bf16);
-            const v8f k1h = load_kv(k_head, kt + (d + 1) * BS + HALF, bf16);
-            a0l += qa[d] * k0l;
-            a0h += qa[d] * k0h;
-            a1l += qa[d + 1] * k1l;
-            a1h += qa[d + 1] * k1h;
-            if (pair) {
-                b0l += qb[d] * k0l;
-                b0h += qb[d] * k0h;
-                b1l += qb[d + 1] * k1l;
-                b1h += qb[d + 1] * k1h;
+            for (int k = 0; k < NV; k++) {
+                const vf k0 = load_kv(k_head, kt + d * BS + k * VL, bf16);
+                const vf k1 = load_kv(k_head, kt + (d + 1) * BS + k * VL, bf16);
+                a0[k] += qa[d] * k0;
+                a1[k] += qa[d + 1] * k1;
+                if (pair) {
+                    b0[k] += qb[d] * k0;
+                    b1[k] += qb[d + 1] * k1;
+                }
             }
         }
         const int64_t past = len - j * BS; /* tokens of this block inside the context */
         float *aj = sa + j * BS;
-        store(aj, (a0l + a1l) * scale);
-        store(aj + HALF, (a0h + a1h) * scale);
+        for (int k = 0; k < NV; k++) store(aj + k * VL, (a0[k] + a1[k]) * scale);
         for (int64_t i = past; i < BS; i++) aj[i] = -1e30f; /* past the context (last block) */
-        mla = vmax(mla, load(aj));
-        mha = vmax(mha, load(aj + HALF));
+        for (int k = 0; k < NV; k++) ma[k] = vmax(ma[k], load(aj + k * VL));
         if (pair) {
             float *bj = sb + j * BS;
-            store(bj, (b0l + b1l) * scale);
-            store(bj + HALF, (b0h + b1h) * scale);
+            for (int k = 0; k < NV; k++) store(bj + k * VL, (b0[k] + b1[k]) * scale);
             for (int64_t i = past; i < BS; i++) bj[i] = -1e30f;
-            mlb = vmax(mlb, load(bj));
-            mhb = vmax(mhb, load(bj + HALF));
+            for (int k = 0; k < NV; k++) mb[k] = vmax(mb[k], load(bj + k * VL));
         }
     }
-    normalise(sa, nblocks, mla, mha);
-    if (pair) normalise(sb, nblocks, mlb, mhb);
+    normalise(sa, nblocks, ma);
+    if (pair) normalise(sb, nblocks, mb);
 }
 
 /* out[0 .. head_dim) = sum over the context of p[t] * v[t] for head pa's probabilities into oa (and pb's into ob,
- * with pair: each value vector loaded once for both); 8 dims at a time, four accumulators per head, in the same
+ * with pair: each value vector loaded once for both); VL dims at a time, four accumulators per head, in the same
  * order either way. */
 static inline __attribute__((always_inline)) void weighted_values(
     const float *pa, const float *pb, const void *v_head, int64_t v_off, const int64_t *table, int64_t nblocks,
     int64_t head_dim, float *oa, float *ob, int pair, int bf16) {
     const int64_t D = head_dim;
-    for (int64_t dc = 0; dc < D; dc += HALF) {
-        v8f a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    for (int64_t dc = 0; dc < D; dc += VL) {
+        vf a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
         for (int64_t j = 0; j < nblocks; j++) {
             const int64_t vb = v_off + table[j] * BS * D + dc;
             const float *pja = pa + j * BS, *pjb = pb + j * BS; /* 0 past the context: whole blocks are summed */
             for (int i = 0; i < BS; i += 4) {
-                const v8f v0 = load_kv(v_head, vb + i * D, bf16), v1 = load_kv(v_head, vb + (i + 1) * D, bf16);
-                const v8f v2 = load_kv(v_head, vb + (i + 2) * D, bf16), v3 = load_kv(v_head, vb + (i + 3) * D, bf16);
+                const vf v0 = load_kv(v_head, vb + i * D, bf16), v1 = load_kv(v_head, vb + (i + 1) * D, bf16);
+                const vf v2 = load_kv(v_head, vb + (i + 2) * D, bf16), v3 = load_kv(v_head, vb + (i + 3) * D, bf16);
                 a0 += pja[i] * v0;
                 a1 += pja[i + 1] * v1;
                 a2 += pja[i + 2] * v2;

@@ -11,8 +11,10 @@ from typing import Any
 
 import torch
 
+from services.common.heap import keep_freed_memory
 from services.models.base import language_model_positions, media_forward_kwargs
 from services.models.lean_decoder import LeanDecoder, StepAttention
+from services.models.packed_linear import pack_linears
 from services.worker.engine.attention import (
     GRAPHED_BY_DEFAULT,
     VARLEN_BACKENDS,
@@ -49,7 +51,8 @@ class ModelRunner:
     """Owns the attention backend, the KV cache (allocated once) and the decode graphs; runs steps.
 
     Built in the steps nano-vllm names, in order, each callable alone: ``resolve_config`` (every automatic
-    setting but the KV bytes), ``choose_forward`` (the lean forward where it is transformers' bit for bit),
+    setting but the KV bytes), ``prepare_cpu`` (on the CPU: the C heap keeps freed memory, linear layers packed
+    where bit-identical), ``choose_forward`` (the lean forward where it is transformers' bit for bit),
     ``kv_bytes_after_warm_up`` (on CUDA a warm-up step profiles memory), ``allocate_kv``
     and ``capture_graphs``. ``config`` is the given one with everything automatic resolved (backend name, block
     size, graph mode, max model length, KV bytes): the engine adopts it. Invariant: ``kv`` holds ``num_blocks``
@@ -70,6 +73,7 @@ class ModelRunner:
         self.backend = make_backend(config.attention_backend, self.block_size, self.device, self.dtype,
                                     self.shape.head_dim)  # fmt: skip
         self.io = HostDevice(self.device)
+        self.prepare_cpu()
         install_paged_attention(model)
         self.lean = self.choose_forward()
         if not config.kv_cache_bytes:
@@ -86,6 +90,15 @@ class ModelRunner:
             self.block_size,
             config.cuda_graphs,
         )
+
+    def prepare_cpu(self) -> None:
+        """On the CPU: the process's C heap keeps the memory a step frees (services/common/heap.py) and the model's
+        linear layers take packed weights where the packed product is ``F.linear``'s bits
+        (services/models/packed_linear.py); nothing on another device."""
+        if self.device.type != "cpu":
+            return
+        keep_freed_memory()
+        pack_linears(self.model)
 
     def choose_forward(self) -> LeanDecoder | None:
         """The lean language-model forward when its probe matches transformers' forward exactly (the engine's
