@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from PIL import Image
 
 from services.common.image_decode import decode_image
 from services.common.media import ImageHeader, MediaLimits
+from services.common.parent_watch import exit_with_parent
 from services.common.priority import lower_priority
 
 T = TypeVar("T")
@@ -96,6 +98,13 @@ def preprocess_job(
         queue_s=max(0.0, started - submitted_at),
         decode_s=time.monotonic() - started,
     )
+
+
+def _start_worker(parent: int | None, nice: int) -> None:
+    """A pool process's first act: end with the process that started it (``parent``: the encoder's pid, None for a
+    fork server's child), so a killed encoder leaves no orphans; then take its lower priority."""
+    exit_with_parent(parent)
+    lower_priority(nice)
 
 
 class PreprocessPool:
@@ -213,8 +222,8 @@ class PreprocessPool:
             max_workers=self.workers,
             mp_context=self._context,
             max_tasks_per_child=self._max_tasks_per_child,
-            initializer=lower_priority if self._nice > 0 else None,
-            initargs=(self._nice,) if self._nice > 0 else (),
+            initializer=_start_worker,
+            initargs=(os.getpid() if self._context.get_start_method() == "spawn" else None, self._nice),
         )
 
     def _current_executor_locked(self) -> ProcessPoolExecutor:

@@ -11,6 +11,9 @@ import dataclasses
 from services.common.config import TRANSPORTS, ConfigError, ServiceConfig, env_name, require_choice, require_positive
 from services.worker.engine.config import EngineConfig
 
+ENGINE_PROCESS_MODES = ("auto", "on", "off")
+_SWITCH_ALIASES = {"true": "on", "1": "on", "yes": "on", "false": "off", "0": "off", "no": "off"}
+
 
 @dataclasses.dataclass
 class WorkerConfig(ServiceConfig, EngineConfig):
@@ -26,13 +29,23 @@ class WorkerConfig(ServiceConfig, EngineConfig):
         default="grpc",
         metadata={"help": "a prefill worker's KV push: grpc, or dist (torch.distributed gloo, gRPC for control)"},
     )
-    engine_process: bool = dataclasses.field(
-        default=False,
-        metadata={"help": "run the engine in a child process with a GIL of its own (docs/engine.md)"},
+    engine_process: str = dataclasses.field(
+        default="auto",
+        metadata={
+            "help": "run the engine in a child process with a GIL of its own (docs/engine.md): on, off, or auto "
+            "(on for a CPU worker of role both without tensor parallelism)"
+        },
     )
 
     def __post_init__(self) -> None:
         """Checked by `validate` (which names the variables), not at construction as a bare EngineConfig is."""
+
+    def engine_in_child(self) -> bool:
+        """Whether the engine runs in a child process: ``on``, or ``auto`` on the CPU for a worker of role ``both``
+        without tensor parallelism (a GPU engine, the prefill/decode roles and TP ranks stay on the thread host)."""
+        if self.engine_process == "auto":
+            return self.device.startswith("cpu") and self.worker_role == "both" and self.tensor_parallel_size == 1
+        return self.engine_process == "on"
 
     def engine_config(self) -> EngineConfig:
         """The engine's settings among the worker's: the fields `EngineConfig` declares."""
@@ -47,13 +60,15 @@ class WorkerConfig(ServiceConfig, EngineConfig):
         for name in ("embedding_timeout_s", "heartbeat_interval_s", "kv_transfer_timeout_s"):
             require_positive(name, getattr(self, name))
         require_choice("kv_transport", self.kv_transport, TRANSPORTS)
-        if self.engine_process and self.worker_role != "both":
+        self.engine_process = _SWITCH_ALIASES.get(str(self.engine_process).strip().lower(), self.engine_process)
+        require_choice("engine_process", self.engine_process, ENGINE_PROCESS_MODES)
+        if self.engine_process == "on" and self.worker_role != "both":
             raise ConfigError(
-                f"{env_name('worker_role')}={self.worker_role} with {env_name('engine_process')}=true: KV transfer "
+                f"{env_name('worker_role')}={self.worker_role} with {env_name('engine_process')}=on: KV transfer "
                 "runs on the thread host only"
             )
-        if self.engine_process and self.tensor_parallel_size > 1:
+        if self.engine_process == "on" and self.tensor_parallel_size > 1:
             raise ConfigError(
-                f"{env_name('engine_process')}=true cannot spawn tensor-parallel ranks "
+                f"{env_name('engine_process')}=on cannot spawn tensor-parallel ranks "
                 f"({env_name('tensor_parallel_size')}={self.tensor_parallel_size}): its child is daemonic; use one"
             )

@@ -65,7 +65,7 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
     telemetry = Telemetry("worker", config.host, config.metrics_port, info.model_dir.resolve().name)
     cache = EmbeddingCache(CacheSettings.for_service(config, info.identity.revision))
     host: EngineHost
-    if config.engine_process:
+    if config.engine_in_child():
         process = EngineProcess(config)  # the child loads the model and runs the vision tower too
         host, runner = process, process
     else:

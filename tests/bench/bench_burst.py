@@ -469,9 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text-width", type=int, default=256, help="the model's hidden size (multiple of 64)")
     parser.add_argument("--text-layers", type=int, default=4, help="the model's layers")
     parser.add_argument("--compute-nice", type=int, default=0, help="the worker engine thread's nice increment")
-    parser.add_argument(
-        "--engine-process", action="store_true", help="both clusters' workers with EPD_ENGINE_PROCESS=true"
-    )
+    parser.add_argument("--engine-process", action="store_true", help="workers with EPD_ENGINE_PROCESS=on (else off)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny model, 2 streams, 2 small images")
     parser.add_argument(
         "--pd", action="store_true", help="co-located against prefill/decode disaggregation, each pool on its core"

@@ -1,4 +1,4 @@
-"""`EPD_ENGINE_PROCESS=true` through the whole cluster: the worker's engine runs in a child process of its own.
+"""`EPD_ENGINE_PROCESS=on` through the whole cluster: the worker's engine runs in a child process of its own.
 With no encoder deployed, the router has the worker encode (the tower runs in the child too); greedy answers
 equal `generate`; killing the engine process ends the running stream with an error within seconds (no hang)
 and the worker exits with code 1, for its supervisor to restart it."""
@@ -25,7 +25,7 @@ from tests.integration.test_skeleton import MAX_TOKENS, PROMPT, expected
 def cluster(
     tiny_model_dir: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalCluster]:
-    env = {"EPD_ENGINE_PROCESS": "true", "EPD_HTTP_PORT": "0"}
+    env = {"EPD_ENGINE_PROCESS": "on", "EPD_HTTP_PORT": "0"}
     yield from module_cluster(tiny_model_dir, redis_server, tmp_path_factory, encoders=0, env=env)
 
 

@@ -198,3 +198,28 @@ def test_a_dead_child_fails_the_running_requests(process: EngineProcess) -> None
     assert CHILD_LOST.wait(30) and stream.freed.wait(5) and stream.failed
     with pytest.raises(EngineGone, match="engine process is gone"):
         process.abort("long").result(timeout=5)
+
+
+@pytest.mark.parametrize(
+    ("settings", "in_child"),
+    [
+        ({}, True),  # the default, auto: a CPU worker of role both, one rank
+        ({"EPD_DEVICE": "cuda"}, False),  # the child has not run on a GPU: the thread host there
+        ({"EPD_WORKER_ROLE": "prefill"}, False),  # KV transfer runs on the thread host only
+        ({"EPD_TENSOR_PARALLEL_SIZE": "2"}, False),  # ranks are spawned by the thread host's engine
+        ({"EPD_ENGINE_PROCESS": "off"}, False),
+        ({"EPD_ENGINE_PROCESS": "false"}, False),
+        ({"EPD_ENGINE_PROCESS": "true", "EPD_DEVICE": "cuda"}, True),
+    ],
+    ids=str,
+)
+def test_where_the_engine_runs(settings: dict[str, str], in_child: bool) -> None:
+    config = config_lib.load(WorkerConfig, env={"EPD_MODEL": "/m", **settings})
+    assert config.engine_in_child() is in_child
+
+
+def test_an_unknown_engine_process_setting_is_refused_by_name() -> None:
+    with pytest.raises(config_lib.ConfigError, match="EPD_ENGINE_PROCESS: 'sometimes' is not one of auto, on, off"):
+        config_lib.load(WorkerConfig, env={"EPD_MODEL": "/m", "EPD_ENGINE_PROCESS": "sometimes"})
+    with pytest.raises(config_lib.ConfigError, match="EPD_WORKER_ROLE=decode with EPD_ENGINE_PROCESS=on"):
+        config_lib.load(WorkerConfig, env={"EPD_MODEL": "/m", "EPD_ENGINE_PROCESS": "on", "EPD_WORKER_ROLE": "decode"})

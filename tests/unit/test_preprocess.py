@@ -258,3 +258,36 @@ def test_pool_validates_and_closes() -> None:
     closed.close()
     with pytest.raises(RuntimeError, match="closed"):
         closed.submit(mf.png(4, 4), PreprocessSettings(LIMITS))
+
+
+def test_pool_processes_end_when_their_encoder_is_killed() -> None:
+    """An encoder killed with SIGKILL leaves no decode processes behind: each notices its parent is gone and
+    exits within about a second (they used to wait on their queue forever, reparented to init)."""
+    import signal
+    import time
+
+    import psutil
+
+    script = (
+        "import sys, time, psutil\n"
+        "from services.encoder.preprocess_pool import PreprocessPool\n"
+        "pool = PreprocessPool(2, 4)\n"
+        "pool.warm_up()\n"
+        "kids = [p.pid for p in psutil.Process().children() if 'spawn_main' in ' '.join(p.cmdline())]\n"
+        "print(' '.join(map(str, kids)), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    encoder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        kids = [int(pid) for pid in encoder.stdout.readline().split()]
+        assert len(kids) == 2, kids
+        assert all(psutil.pid_exists(pid) for pid in kids)
+    finally:
+        encoder.send_signal(signal.SIGKILL)
+        encoder.wait()
+    deadline = time.monotonic() + 10
+    alive = kids
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in kids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+        time.sleep(0.1)
+    assert not alive, f"decode processes {alive} outlived their encoder"

@@ -80,7 +80,7 @@ def test_the_engine_process_cannot_spawn_ranks(tiny_model_dir: Path) -> None:
     from services.worker.config import WorkerConfig
 
     env = {"EPD_MODEL": str(tiny_model_dir), "EPD_ENGINE_PROCESS": "true", "EPD_TENSOR_PARALLEL_SIZE": "2"}
-    with pytest.raises(ConfigError, match="EPD_ENGINE_PROCESS=true cannot spawn tensor-parallel ranks"):
+    with pytest.raises(ConfigError, match="EPD_ENGINE_PROCESS=on cannot spawn tensor-parallel ranks"):
         load(WorkerConfig, env=env)
 
 

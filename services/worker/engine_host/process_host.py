@@ -1,4 +1,4 @@
-"""The process host: the engine in a process of its own (`EPD_ENGINE_PROCESS=true`), an `EngineHost` as `EngineLoop` is.
+"""The process host: the engine in a process of its own (`EPD_ENGINE_PROCESS`), an `EngineHost` as `EngineLoop` is.
 
 Why: in one process the engine thread shares the GIL with the worker's event loop and gRPC's poller thread.
 A CPU step is some hundred torch ops, each releasing the GIL and taking it back, and every message the event
