@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub at run time
     sys.stdout.reconfigure(line_buffering=True)  # lines reach a file or pipe as they are printed
     args = _parser().parse_args(argv)
-    debug = args.debug or os.environ.get("EPD_DEBUG", "").lower() in ("1", "true", "yes", "on")
+    debug = args.debug or os.environ.get("EPD_DEBUG", "").strip().lower() in config_lib.TRUE_WORDS
     try:
         return args.fn(args)
     except UserError as exc:

@@ -40,13 +40,18 @@ def _field_kind(cls: type, field: dataclasses.Field) -> Any:
     return kind
 
 
+TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+FALSE_WORDS = frozenset({"0", "false", "no", "off", ""})
+"""How a boolean setting's value may be written (compared lowered, stripped)."""
+
+
 def _parse(kind: Any, name: str, raw: str) -> Any:
     try:
         if kind is bool:
             lowered = raw.strip().lower()
-            if lowered in {"1", "true", "yes", "on"}:
+            if lowered in TRUE_WORDS:
                 return True
-            if lowered in {"0", "false", "no", "off", ""}:
+            if lowered in FALSE_WORDS:
                 return False
             raise ValueError(raw)
         if kind is int:

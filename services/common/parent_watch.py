@@ -4,9 +4,8 @@ A pool's worker processes (the encoder's decode pool) block on a queue whose wri
 so a parent killed with SIGKILL leaves them waiting forever, reparented to init: orphans that hold memory and
 show in every process count. `exit_with_parent`, called first thing in such a child, starts a daemon thread that
 reads the parent's pid every `interval_s` and ends the process (exit code 1) once it is not the pid the parent
-passed down. A thread, not
-Linux's PR_SET_PDEATHSIG: that signal follows the thread that forked the child, and a pool's children are forked
-from whichever thread submitted work.
+passed down. A thread, not Linux's PR_SET_PDEATHSIG: that signal follows the thread that forked the child, and a
+pool's children are forked from whichever thread submitted work.
 """
 
 from __future__ import annotations

@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import dataclasses
 
-from services.common.config import TRANSPORTS, ConfigError, ServiceConfig, env_name, require_choice, require_positive
+from services.common.config import (
+    FALSE_WORDS,
+    TRANSPORTS,
+    TRUE_WORDS,
+    ConfigError,
+    ServiceConfig,
+    env_name,
+    require_choice,
+    require_positive,
+)
 from services.worker.engine.config import EngineConfig
 
 ENGINE_PROCESS_MODES = ("auto", "on", "off")
-_SWITCH_ALIASES = {"true": "on", "1": "on", "yes": "on", "false": "off", "0": "off", "no": "off"}
 
 
 @dataclasses.dataclass
@@ -60,7 +68,8 @@ class WorkerConfig(ServiceConfig, EngineConfig):
         for name in ("embedding_timeout_s", "heartbeat_interval_s", "kv_transfer_timeout_s"):
             require_positive(name, getattr(self, name))
         require_choice("kv_transport", self.kv_transport, TRANSPORTS)
-        self.engine_process = _SWITCH_ALIASES.get(str(self.engine_process).strip().lower(), self.engine_process)
+        word = str(self.engine_process).strip().lower()  # a boolean's spellings name on and off
+        self.engine_process = "on" if word in TRUE_WORDS else "off" if word in FALSE_WORDS else word
         require_choice("engine_process", self.engine_process, ENGINE_PROCESS_MODES)
         if self.engine_process == "on" and self.worker_role != "both":
             raise ConfigError(
