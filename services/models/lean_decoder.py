@@ -7,7 +7,9 @@ this one 0.50 ms; the 256-wide 8-layer one 5.3 against 4.8 ms). `LeanDecoder` ru
 same order (norms, projections, rotary, the step's attention, MLP, residuals), so its output is the same bits;
 `LeanDecoder.probe` checks exactly that on random input before anyone uses it, and answers None for a model whose
 layers compute anything else (another norm, a sliding window, an extra term), which then keeps transformers'
-forward. Linear layers are called as modules, so tensor-parallel layers that replace them keep working.
+forward. Linear layers are called as modules, so tensor-parallel layers that replace them keep working; where the
+q/k/v projections (or the MLP's gate and up) were packed as one product (`projection_groups`, models/packed_linear.py)
+the lean forward calls that product once and splits its columns.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from services.models.packed_linear import FusedGroup, PackedSlice
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +69,12 @@ class _Layer:
     act: Callable[[torch.Tensor], torch.Tensor]
     silu: bool
     """``act`` is SiLU: applied in place on the gate's fresh output."""
+    qkv: nn.Module | None = None
+    """The product q, k and v are columns of, in that order (`PackedSlice`), or None: three calls."""
+    qkv_widths: tuple[int, ...] = ()
+    gate_up: nn.Module | None = None
+    """The product gate and up are columns of, in that order, or None: two calls."""
+    gate_up_widths: tuple[int, ...] = ()
 
 
 class LeanDecoder:
@@ -134,21 +144,73 @@ class LeanDecoder:
         for layer in self.layers:
             residual = hidden
             x = _rms_norm(layer.input_norm, hidden)
-            q = layer.q_proj(x).view(batch, rows, -1, layer.head_dim)
-            k = layer.k_proj(x).view(batch, rows, -1, layer.head_dim)
-            if layer.q_norm is not None:
-                q, k = _rms_norm(layer.q_norm, q), _rms_norm(layer.k_norm, k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-            v = layer.v_proj(x).view(batch, rows, -1, layer.head_dim).transpose(1, 2)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k, v = _attention_inputs(layer, x, cos, sin)
             out = attention.attend(layer.index, q[0], k[0], v[0], layer.scaling).unsqueeze(0)
             hidden = layer.o_proj(out.reshape(batch, rows, -1).contiguous()).add_(residual)
             residual = hidden
             x = _rms_norm(layer.post_norm, hidden)
+            if layer.gate_up is not None:  # out of place: the activation then reads strided columns only once
+                gate, up = layer.gate_up(x).split(layer.gate_up_widths, dim=-1)
+                gate = F.silu(gate) if layer.silu else layer.act(gate)
+                hidden = layer.down_proj(gate.mul_(up)).add_(residual)
+                continue
             gate = layer.gate_proj(x)
             gate = F.silu(gate, inplace=True) if layer.silu else layer.act(gate)
             hidden = layer.down_proj(gate.mul_(layer.up_proj(x))).add_(residual)
         return _rms_norm(self.norm, hidden)
+
+
+def _attention_inputs(
+    layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layer's rotated queries and keys and its values, each ``[batch, heads, rows, head_dim]``. From one fused
+    product without per-head norms, queries and keys rotate as one tensor of their heads side by side (the rotary
+    is elementwise: the same bits as apart, in half the calls)."""
+    batch, rows, _ = x.shape
+    shape = (batch, rows, -1, layer.head_dim)
+    if layer.qkv is not None and layer.q_norm is None:
+        out = layer.qkv(x)
+        q_width, k_width, _ = layer.qkv_widths
+        qk = _rotate(out[..., : q_width + k_width].view(shape).transpose(1, 2), cos, sin)
+        heads = q_width // layer.head_dim
+        v = out[..., q_width + k_width :].view(shape).transpose(1, 2)
+        return qk[:, :heads], qk[:, heads:], v
+    if layer.qkv is not None:
+        q, k, v = layer.qkv(x).split(layer.qkv_widths, dim=-1)
+    else:
+        q, k, v = layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)
+    q, k = q.view(shape), k.view(shape)
+    if layer.q_norm is not None:
+        q, k = _rms_norm(layer.q_norm, q), _rms_norm(layer.k_norm, k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin), v.view(shape).transpose(1, 2)
+
+
+def projection_groups(language_model: nn.Module) -> list[FusedGroup]:
+    """The linear layers of a llama-shaped ``language_model`` that read one input, to pack as one product each:
+    every layer's q/k/v projections and its MLP's gate and up (none where its layers are not llama-shaped)."""
+    if _read_layers(language_model) is None:
+        return []
+    groups: list[FusedGroup] = []
+    for layer in language_model.layers:
+        groups.append((layer.self_attn, ("q_proj", "k_proj", "v_proj")))
+        groups.append((layer.mlp, ("gate_proj", "up_proj")))
+    return groups
+
+
+def _fused(parts: list[nn.Module]) -> tuple[nn.Module | None, tuple[int, ...]]:
+    """The product ``parts`` are consecutive columns of, from its first, and their widths; (None, ()) when they are
+    anything else."""
+    if not all(isinstance(p, PackedSlice) for p in parts):
+        return None, ()
+    whole, start = parts[0].fused, 0
+    for part in parts:
+        if part.fused is not whole or part.start != start:
+            return None, ()
+        start = part.stop
+    if start != whole.out_features:
+        return None, ()
+    return whole, tuple(p.stop - p.start for p in parts)
 
 
 def _read_layers(language_model: nn.Module) -> list[_Layer] | None:
@@ -190,6 +252,10 @@ def _read_layers(language_model: nn.Module) -> list[_Layer] | None:
                 down_proj=mlp.down_proj,
                 act=mlp.act_fn,
                 silu=isinstance(mlp.act_fn, SILU_MODULES),
+                qkv=(qkv := _fused([attn.q_proj, attn.k_proj, attn.v_proj]))[0],
+                qkv_widths=qkv[1],
+                gate_up=(gate_up := _fused([mlp.gate_proj, mlp.up_proj]))[0],
+                gate_up_widths=gate_up[1],
             )
         )
     if not hasattr(language_model.norm, "variance_epsilon"):

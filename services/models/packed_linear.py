@@ -11,6 +11,12 @@ on every row count of the probe; any other layer (a GPU model, a tensor-parallel
 packed op) is left as it is. A bfloat16 layer keeps only the packed copy (the checkpoint's tensor stays alive only
 where it has another owner, a tied embedding); MKL's float32 product also reads the original weight, so a float32
 layer holds both (twice its weight bytes: float32 models here are test-sized).
+
+Sibling layers that read the same input (a decoder layer's q, k and v projections; its MLP's gate and up) can be
+packed as one product of their weights side by side (``fuse``): a decode step then makes one library call where it
+made three, and reads one packed weight. Each part becomes a `PackedSlice` that computes the whole product and keeps
+its own columns (what transformers' forward calls); the lean forward calls the fused product once and splits it. A
+group is fused only where the probe finds every part's columns equal to that part's ``F.linear`` bits.
 """
 
 from __future__ import annotations
@@ -52,6 +58,25 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
+class PackedSlice(nn.Module):
+    """Output columns ``[start, stop)`` of a fused `PackedLinear`: the same bits as the layer it replaced.
+
+    Invariant: built only by `pack_linears` for a group whose fused product passed the probe.
+    """
+
+    def __init__(self, fused: PackedLinear, start: int, stop: int) -> None:
+        super().__init__()
+        self.__dict__["fused"] = fused  # not a child: the group's parts share it, state_dict sees it nowhere
+        self.start, self.stop = start, stop
+        self.in_features, self.out_features = fused.in_features, stop - start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused(x)[..., self.start : self.stop]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, columns {self.start}..{self.stop} of a fused product"
+
+
 def _onednn(x: torch.Tensor, layer: PackedLinear) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
 
@@ -69,23 +94,34 @@ def _pack(weight: torch.Tensor) -> tuple[torch.Tensor, Callable[..., torch.Tenso
     raise TypeError(f"no packed product for {weight.dtype}")
 
 
-def _same_bits(linear: nn.Linear, candidate: PackedLinear) -> bool:
-    """True when ``candidate`` gives ``F.linear``'s bits on random input of every probe row count."""
+def _same_bits(parts: list[nn.Linear], candidate: PackedLinear) -> bool:
+    """True when ``candidate``'s output columns, part by part, are ``F.linear``'s bits of each of ``parts`` (one
+    part: the whole output) on random input of every probe row count."""
     generator = torch.Generator().manual_seed(0)
+    first = parts[0]
     for rows in PROBE_ROWS:
-        x = torch.randn(rows, linear.in_features, generator=generator).to(linear.weight.dtype)
-        if not torch.equal(F.linear(x, linear.weight, linear.bias), candidate(x)):
-            return False
+        x = torch.randn(rows, first.in_features, generator=generator).to(first.weight.dtype)
+        got, start = candidate(x), 0
+        for part in parts:
+            stop = start + part.out_features
+            if not torch.equal(F.linear(x, part.weight, part.bias), got[:, start:stop]):
+                return False
+            start = stop
     return True
 
 
-def pack_linears(model: nn.Module) -> int:
+FusedGroup = tuple[nn.Module, tuple[str, ...]]
+"""A module and the names of its child linear layers to pack as one product, in output-column order."""
+
+
+def pack_linears(model: nn.Module, groups: list[FusedGroup] | None = None) -> int:
     """Replace every plain ``nn.Linear`` of a CPU ``model`` whose packed product passes the probe; returns how many.
 
-    The probe runs once per (in, out, dtype, bias) kind; a kind that fails, or a build without the op, keeps
-    ``F.linear`` for every layer of that kind (logged once)."""
+    Each of ``groups`` first becomes one fused product (`fuse`) where it can; its parts then are `PackedSlice` and
+    count as replaced. The probe runs once per (in, out, dtype, bias) kind; a kind that fails, or a build without
+    the op, keeps ``F.linear`` for every layer of that kind (logged once)."""
+    replaced = sum(len(names) for owner, names in groups or [] if fuse(owner, names))
     verdicts: dict[tuple[int, int, torch.dtype, bool], bool] = {}
-    replaced = 0
     with torch.inference_mode():
         for owner in list(model.modules()):
             for name, child in list(owner.named_children()):
@@ -101,7 +137,7 @@ def pack_linears(model: nn.Module) -> int:
                     verdicts[kind] = False
                     continue
                 if kind not in verdicts:
-                    verdicts[kind] = _same_bits(child, packed)
+                    verdicts[kind] = _same_bits([child], packed)
                     if not verdicts[kind]:
                         log.info("linear layers %s: F.linear (the packed product differs on the probe)", kind)
                         continue
@@ -109,3 +145,34 @@ def pack_linears(model: nn.Module) -> int:
                 replaced += 1
     log.info("linear layers: %d packed for the CPU's matrix library", replaced)
     return replaced
+
+
+def fuse(owner: nn.Module, names: tuple[str, ...]) -> bool:
+    """Replace ``owner``'s linear children ``names`` by `PackedSlice` parts of one packed product of their weights
+    side by side, when they are plain CPU ``nn.Linear`` layers of one input width and dtype, all with a bias or
+    none, and every part's columns pass the probe; False (nothing changed) otherwise."""
+    parts = [getattr(owner, name, None) for name in names]
+    if len(parts) < 2 or any(type(p) is not nn.Linear or p.weight.device.type != "cpu" for p in parts):
+        return False
+    first = parts[0]
+    if any(p.in_features != first.in_features or p.weight.dtype != first.weight.dtype for p in parts):
+        return False
+    if len({p.bias is None for p in parts}) != 1:
+        return False
+    with torch.inference_mode():
+        whole = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None)
+        whole.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), requires_grad=False)
+        if first.bias is not None:
+            whole.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
+        try:
+            fused = PackedLinear(whole, *_pack(whole.weight))
+        except (RuntimeError, TypeError, AttributeError):
+            return False
+        if not _same_bits(parts, fused):  # type: ignore[arg-type]
+            log.info("linear layers %s: apart (their fused product differs on the probe)", names)
+            return False
+    start = 0
+    for name, part in zip(names, parts, strict=True):
+        setattr(owner, name, PackedSlice(fused, start, start + part.out_features))
+        start += part.out_features
+    return True

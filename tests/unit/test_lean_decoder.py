@@ -14,7 +14,7 @@ import torch
 
 from services.models.lean_decoder import LeanDecoder
 from services.models.registry import load_adapter
-from services.worker.engine.attention.backend import CONTEXT_KWARG
+from services.worker.engine.attention.backend import CONTEXT_KWARG, install_paged_attention
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import EngineRequest, SamplingOptions
@@ -99,3 +99,27 @@ def test_positions_the_rotary_does_not_take_fail_the_probe(tiny_llava_dir: Path)
     args = (model.get_decoder(), reference, runner.device, runner.dtype)
     assert LeanDecoder.probe(*args, positions=adapter.language_model_positions) is not None
     assert LeanDecoder.probe(*args, positions=lambda rows: rows) is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_projections_give_the_untouched_models_logits(tiny_model_dir: Path, dtype: str) -> None:
+    """On the CPU every layer's q/k/v and gate/up run as one packed product each; the engine's step then gives the
+    logits a model never packed nor fused computes through transformers' forward on the same KV."""
+    config = EngineConfig(max_num_batched_tokens=24, max_num_seqs=4, dtype=dtype)
+    adapter = load_adapter(tiny_model_dir)
+    engine = Engine(adapter, adapter.load_model("cpu", config.torch_dtype), config)
+    layers = engine.runner.lean.layers
+    assert all(layer.qkv is not None and layer.gate_up is not None for layer in layers)
+    prompts = [[5 + i, 9, 14, 3 + i, 22, 8] * (2 + 3 * i) for i in range(3)]
+    for i, ids in enumerate(prompts):
+        engine.add_request(EngineRequest(f"r{i}", ids, [], SamplingOptions(max_tokens=12, ignore_eos=True)))
+    for _ in range(4):
+        engine.step()
+    chunks = engine.runner.last_chunks
+    fused = engine.runner.staged_forward(chunks, engine.embeddings)()
+    untouched = adapter.load_model("cpu", config.torch_dtype)
+    install_paged_attention(untouched)  # its attention attends over the step's paged KV, as the engine's does
+    assert all(type(layer.self_attn.q_proj) is torch.nn.Linear for layer in untouched.get_decoder().layers)
+    engine.runner.model, engine.runner.lean = untouched, None
+    plain = engine.runner.staged_forward(chunks, engine.embeddings)()
+    assert torch.equal(fused, plain)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.models import packed_linear
-from services.models.packed_linear import PackedLinear, pack_linears
+from services.models.packed_linear import PackedLinear, PackedSlice, pack_linears
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -92,3 +92,63 @@ def test_the_heap_keeps_freed_blocks_instead_of_faulting_them_back() -> None:
         faults[mode] = int(done.stdout)
     assert faults["keep"] * 5 < faults["default"], faults
     assert faults["keep"] < 40 * 512, faults  # fewer than one fresh MiB a round
+
+
+class _Attention(nn.Module):
+    def __init__(self, bias: bool, v_in: int = 64) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj = nn.Linear(64, 64, bias=bias), nn.Linear(64, 32, bias=bias)
+        self.v_proj = nn.Linear(v_in, 32, bias=bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_a_fused_group_gives_each_parts_f_linear_bits(dtype: torch.dtype, bias: bool) -> None:
+    """q, k and v as one packed product: each becomes a `PackedSlice` of it with its own columns, F.linear's bits
+    of the layer it replaced at every row count tried; the lean forward's product holds them side by side."""
+    torch.manual_seed(1)
+    attn = _Attention(bias).to(dtype)
+    names = ("q_proj", "k_proj", "v_proj")
+    originals = {name: getattr(attn, name) for name in names}
+    assert pack_linears(attn, [(attn, names)]) == 3
+    parts = [getattr(attn, name) for name in names]
+    assert all(isinstance(p, PackedSlice) for p in parts) and len({id(p.fused) for p in parts}) == 1
+    assert [(p.start, p.stop) for p in parts] == [(0, 64), (64, 96), (96, 128)]
+    assert not attn.state_dict()  # the fused product is nobody's child: nothing to save or move
+    for rows in (1, 2, 7, 16, 64, 129, 1000):
+        x = torch.randn(rows, 64).to(dtype)
+        with torch.inference_mode():
+            whole = parts[0].fused(x)
+            for name, part in zip(names, parts, strict=True):
+                want = F.linear(x, originals[name].weight, originals[name].bias)
+                assert torch.equal(part(x), want), (name, rows)
+                assert torch.equal(whole[:, part.start : part.stop], want), (name, rows)
+
+
+def test_a_group_that_cannot_be_one_product_is_packed_apart() -> None:
+    """Parts of different input widths, with and without a bias, or another dtype stay apart (each packed alone
+    where it can be)."""
+    attn = _Attention(bias=True, v_in=48)
+    assert not packed_linear.fuse(attn, ("q_proj", "k_proj", "v_proj"))
+    attn = _Attention(bias=True)
+    attn.v_proj = nn.Linear(64, 32, bias=False)
+    assert pack_linears(attn, [(attn, ("q_proj", "k_proj", "v_proj"))]) == 3
+    assert all(isinstance(getattr(attn, n), PackedLinear) for n in ("q_proj", "k_proj", "v_proj"))
+    half = _Attention(bias=False).to(torch.float16)
+    assert not packed_linear.fuse(half, ("q_proj", "k_proj", "v_proj"))
+    assert type(half.q_proj) is nn.Linear
+
+
+def test_a_fused_product_that_finds_other_bits_keeps_the_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = packed_linear._pack
+
+    def off_by_a_bit_when_fused(weight: torch.Tensor):  # noqa: ANN202
+        packed, product = real(weight)
+        if weight.shape[0] != 128:  # the fused q/k/v product only
+            return packed, product
+        return packed, lambda x, layer: torch.nextafter(product(x, layer), torch.tensor(float("inf")))
+
+    monkeypatch.setattr(packed_linear, "_pack", off_by_a_bit_when_fused)
+    attn = _Attention(bias=True)
+    assert pack_linears(attn, [(attn, ("q_proj", "k_proj", "v_proj"))]) == 3
+    assert all(isinstance(getattr(attn, n), PackedLinear) for n in ("q_proj", "k_proj", "v_proj"))

@@ -13,7 +13,7 @@ import torch
 
 from services.common.heap import keep_freed_memory
 from services.models.base import language_model_positions, media_forward_kwargs
-from services.models.lean_decoder import LeanDecoder, StepAttention
+from services.models.lean_decoder import LeanDecoder, StepAttention, projection_groups
 from services.models.packed_linear import pack_linears
 from services.worker.engine.attention import (
     GRAPHED_BY_DEFAULT,
@@ -93,12 +93,13 @@ class ModelRunner:
 
     def prepare_cpu(self) -> None:
         """On the CPU: the process's C heap keeps the memory a step frees (services/common/heap.py) and the model's
-        linear layers take packed weights where the packed product is ``F.linear``'s bits
-        (services/models/packed_linear.py); nothing on another device."""
+        linear layers take packed weights where the packed product is ``F.linear``'s bits, a decoder layer's q/k/v
+        and gate/up as one product each (services/models/packed_linear.py); nothing on another device."""
         if self.device.type != "cpu":
             return
         keep_freed_memory()
-        pack_linears(self.model)
+        decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None
+        pack_linears(self.model, projection_groups(decoder) if decoder is not None else [])
 
     def choose_forward(self) -> LeanDecoder | None:
         """The lean language-model forward when its probe matches transformers' forward exactly (the engine's
