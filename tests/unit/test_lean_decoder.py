@@ -30,10 +30,8 @@ def _fresh(folder: Path) -> tuple[Any, Any]:
     return adapter, adapter.load_model()
 
 
-def _mixed_step_logits(adapter: Any, model: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    """One engine step holding decodes and a prefill chunk, rerun with the lean forward and with transformers'."""
-    engine = Engine(adapter, model, CONFIG)
-    assert engine.runner.lean is not None
+def _mixed_step(engine: Engine) -> list[Any]:
+    """The chunks of an engine step holding decodes and a prefill chunk (three prompts, four steps in)."""
     prompts = [[5 + i, 9, 14, 3 + i, 22, 8] * (2 + 3 * i) for i in range(3)]
     for i, ids in enumerate(prompts):
         engine.add_request(EngineRequest(f"r{i}", ids, [], SamplingOptions(max_tokens=12, ignore_eos=True)))
@@ -41,6 +39,14 @@ def _mixed_step_logits(adapter: Any, model: Any) -> tuple[torch.Tensor, torch.Te
         engine.step()
     chunks = engine.runner.last_chunks
     assert any(c.num_tokens == 1 for c in chunks) and any(c.num_tokens > 1 for c in chunks), chunks
+    return chunks
+
+
+def _mixed_step_logits(adapter: Any, model: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """One engine step holding decodes and a prefill chunk, rerun with the lean forward and with transformers'."""
+    engine = Engine(adapter, model, CONFIG)
+    assert engine.runner.lean is not None
+    chunks = _mixed_step(engine)
     lean = engine.runner.staged_forward(chunks, engine.embeddings)()
     decoder, engine.runner.lean = engine.runner.lean, None
     reference = engine.runner.staged_forward(chunks, engine.embeddings)()
@@ -110,12 +116,7 @@ def test_fused_projections_give_the_untouched_models_logits(tiny_model_dir: Path
     engine = Engine(adapter, adapter.load_model("cpu", config.torch_dtype), config)
     layers = engine.runner.lean.layers
     assert all(layer.qkv is not None and layer.gate_up is not None for layer in layers)
-    prompts = [[5 + i, 9, 14, 3 + i, 22, 8] * (2 + 3 * i) for i in range(3)]
-    for i, ids in enumerate(prompts):
-        engine.add_request(EngineRequest(f"r{i}", ids, [], SamplingOptions(max_tokens=12, ignore_eos=True)))
-    for _ in range(4):
-        engine.step()
-    chunks = engine.runner.last_chunks
+    chunks = _mixed_step(engine)
     fused = engine.runner.staged_forward(chunks, engine.embeddings)()
     untouched = adapter.load_model("cpu", config.torch_dtype)
     install_paged_attention(untouched)  # its attention attends over the step's paged KV, as the engine's does
