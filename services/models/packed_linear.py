@@ -120,7 +120,8 @@ def pack_linears(model: nn.Module, groups: list[FusedGroup] | None = None) -> in
     Each of ``groups`` first becomes one fused product (`fuse`) where it can; its parts then are `PackedSlice` and
     count as replaced. The probe runs once per (in, out, dtype, bias) kind; a kind that fails, or a build without
     the op, keeps ``F.linear`` for every layer of that kind (logged once)."""
-    replaced = sum(len(names) for owner, names in groups or [] if fuse(owner, names))
+    fused_verdicts: dict[tuple, bool] = {}  # per (in, outs, dtype, bias) kind of group, as for single layers
+    replaced = sum(len(names) for owner, names in groups or [] if fuse(owner, names, fused_verdicts))
     verdicts: dict[tuple[int, int, torch.dtype, bool], bool] = {}
     with torch.inference_mode():
         for owner in list(model.modules()):
@@ -147,10 +148,11 @@ def pack_linears(model: nn.Module, groups: list[FusedGroup] | None = None) -> in
     return replaced
 
 
-def fuse(owner: nn.Module, names: tuple[str, ...]) -> bool:
+def fuse(owner: nn.Module, names: tuple[str, ...], verdicts: dict[tuple, bool] | None = None) -> bool:
     """Replace ``owner``'s linear children ``names`` by `PackedSlice` parts of one packed product of their weights
     side by side, when they are plain CPU ``nn.Linear`` layers of one input width and dtype, all with a bias or
-    none, and every part's columns pass the probe; False (nothing changed) otherwise."""
+    none, and every part's columns pass the probe; False (nothing changed) otherwise. ``verdicts`` keeps the probe's
+    answer per kind of group (input width, output widths, dtype, bias), so a model's layers are probed once."""
     parts = [getattr(owner, name, None) for name in names]
     if len(parts) < 2 or any(type(p) is not nn.Linear or p.weight.device.type != "cpu" for p in parts):
         return False
@@ -159,17 +161,26 @@ def fuse(owner: nn.Module, names: tuple[str, ...]) -> bool:
         return False
     if len({p.bias is None for p in parts}) != 1:
         return False
+    verdicts = {} if verdicts is None else verdicts
+    kind = (first.in_features, tuple(p.out_features for p in parts), first.weight.dtype, first.bias is not None)
+    if verdicts.get(kind) is False:
+        return False
     with torch.inference_mode():
-        whole = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None)
+        whole = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None,
+                          device="meta")  # fmt: skip
         whole.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), requires_grad=False)
         if first.bias is not None:
             whole.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
         try:
             fused = PackedLinear(whole, *_pack(whole.weight))
         except (RuntimeError, TypeError, AttributeError):
+            verdicts[kind] = False
             return False
-        if not _same_bits(parts, fused):  # type: ignore[arg-type]
-            log.info("linear layers %s: apart (their fused product differs on the probe)", names)
+        if kind not in verdicts:
+            verdicts[kind] = _same_bits(parts, fused)  # type: ignore[arg-type]
+            if not verdicts[kind]:
+                log.info("linear layers %s %s: apart (their fused product differs on the probe)", names, kind)
+        if not verdicts[kind]:
             return False
     start = 0
     for name, part in zip(names, parts, strict=True):

@@ -152,3 +152,20 @@ def test_a_fused_product_that_finds_other_bits_keeps_the_parts(monkeypatch: pyte
     attn = _Attention(bias=True)
     assert pack_linears(attn, [(attn, ("q_proj", "k_proj", "v_proj"))]) == 3
     assert all(isinstance(getattr(attn, n), PackedLinear) for n in ("q_proj", "k_proj", "v_proj"))
+
+
+def test_each_kind_of_group_is_probed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model's layers of one shape share the probe's verdict (a 32-layer model is not probed 32 times)."""
+    calls = []
+    real = packed_linear._same_bits
+
+    def counted(parts, candidate):  # noqa: ANN001, ANN202
+        calls.append(len(parts))
+        return real(parts, candidate)
+
+    monkeypatch.setattr(packed_linear, "_same_bits", counted)
+    layers = nn.ModuleList(_Attention(bias=True) for _ in range(4))
+    groups = [(attn, ("q_proj", "k_proj", "v_proj")) for attn in layers]
+    assert pack_linears(layers, groups) == 12
+    assert calls == [3]
+    assert all(isinstance(attn.v_proj, PackedSlice) for attn in layers)
