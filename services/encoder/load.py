@@ -16,10 +16,17 @@ Invariants:
 - A request is admitted whenever nothing is queued, whatever its size or the budget (a lone
   request never starves); otherwise it is refused when its expected wait passes the budget, when
   its items do not fit in the pool's queue, or when its tokens would pass the token cap.
+- A request a router `booked` (it checked this encoder's time budget from the published load and
+  counted the items on it before placing the request on a worker) is not judged by the time budget
+  again, only by the ceilings and its deadline: the drain rate moves by several times within a
+  burst as tower batches complete, and a second judgement by a newer rate would refuse requests
+  that already hold a worker's blocks, slowly. With several routers the budget can be passed by
+  what the others booked within one heartbeat.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -41,24 +48,36 @@ class Overloaded(RuntimeError):
 
 
 class EncoderRates:
-    """How fast the encoder drains its queue: busy seconds per encoded item over the last `window` items.
+    """How fast the encoder drains its queue: busy seconds per encoded item over its last `span_s` busy seconds.
 
     Each encoded item's sample is the busy time since the previous completion (or since the encoder
     became busy, when it was idle): completions of a busy encoder come one throughput-interval apart,
     however many items run side by side and whatever shares the host's cores, and idle time never
-    counts. Cache hits and failures add no sample. `prior` samples of `item_s` seed the window, so
-    the first few measurements (the first of a burst carries the whole burst's wait) move it only
-    in proportion.
+    counts. The rate is the window's busy seconds over its items, the window the newest samples that
+    cover `span_s` (never fewer than one): a tower call that finishes a batch of many items at once
+    gives one long sample and many of zero, and the window holds the long one while it holds any of
+    the zeros. While busy, the time since the last completion counts as a sample of the items that will
+    end together next (one, or the tower call's batch) when that raises the rate: when completions
+    stall (the host slowed), the rate rises at once, not at the next completion. Cache hits and
+    failures add no sample. The prior, `prior` items at `item_s` (the warm-up's measured item), is the
+    first sample, so a burst's first completions (the first carries the pipeline's fill) move it in
+    proportion.
     """
 
-    def __init__(self, item_s: float = 0.05, window: int = 32, prior: int = 8) -> None:
-        self._samples: deque[float] = deque([item_s] * prior, maxlen=window)
+    def __init__(self, item_s: float = 0.05, span_s: float = 2.0, prior: int = 8) -> None:
+        self._samples: deque[tuple[float, int]] = deque([(prior * item_s, prior)])
+        self._seconds = prior * item_s
+        self._items = prior
+        self._span_s = span_s
         self._busy_from: float | None = None
 
-    @property
-    def item_s(self) -> float:
-        """Seconds per item at the measured throughput."""
-        return sum(self._samples) / len(self._samples)
+    def item_s(self, now: float, completing: int = 1) -> float:
+        """Seconds per item at the measured throughput, as of `now`, with `completing` items to finish together
+        next (a tower call's batch)."""
+        measured = self._seconds / self._items
+        if self._busy_from is None:
+            return measured
+        return max(measured, (self._seconds + now - self._busy_from) / (self._items + max(1, completing)))
 
     def started(self, now: float, in_encoder_before: int) -> None:
         """Items were admitted at `now`; `in_encoder_before` items were in the encoder already."""
@@ -68,14 +87,23 @@ class EncoderRates:
     def finished(self, now: float, in_encoder_after: int, encoded: bool) -> None:
         """An item left the encoder at `now` (`encoded`: through the tower), leaving `in_encoder_after`."""
         if encoded and self._busy_from is not None:
-            self._samples.append(max(0.0, now - self._busy_from))
+            self._add(max(0.0, now - self._busy_from))
             self._busy_from = now
         if in_encoder_after == 0:
             self._busy_from = None
 
-    def drain_s(self, items: int) -> float:
-        """Seconds to get `items` items through the encoder."""
-        return items * self.item_s
+    def drain_s(self, items: int, now: float, completing: int = 1) -> float:
+        """Seconds to get `items` items through the encoder, as of `now` (`completing`: see `item_s`)."""
+        return items * self.item_s(now, completing)
+
+    def _add(self, seconds: float) -> None:
+        self._samples.append((seconds, 1))
+        self._seconds += seconds
+        self._items += 1
+        while len(self._samples) > 1 and self._seconds - self._samples[0][0] >= self._span_s:
+            old_seconds, old_items = self._samples.popleft()
+            self._seconds -= old_seconds
+            self._items -= old_items
 
 
 @dataclass(frozen=True)
@@ -137,13 +165,16 @@ class Admission:
         self._items = 0
         self._tokens = 0
 
-    def admit(self, tokens: list[int], budget_s: float | None = None) -> Ticket:
-        """Reserve for items costing `tokens` each, expected to finish within `budget_s` (the encoder's
-        `max_queue_s` when None or larger); raises Overloaded at once when they do not fit."""
+    def admit(self, tokens: list[int], budget_s: float | None = None, booked: bool = False) -> Ticket:
+        """Reserve for items costing `tokens` each, expected to finish within `budget_s` (the request's deadline)
+        and, unless `booked` (a router checked the encoder's time budget for them already and counted them on its
+        queue), within the encoder's `max_queue_s`; raises Overloaded at once when they do not fit."""
         wanted = sum(tokens)
+        now = time.monotonic()
         if self._items:
-            budget = min(self._max_queue_s, budget_s if budget_s is not None else self._max_queue_s)
-            wait = self.expected_wait_s(len(tokens))
+            budgets = [] if booked else [self._max_queue_s]
+            budget = min([*budgets, *([budget_s] if budget_s is not None else [])], default=math.inf)
+            wait = self.expected_wait_s(len(tokens), now)
             if wait > budget:
                 raise Overloaded(
                     f"encoder queue too long: expected wait {wait:.2f}s for {self._items} queued item(s) "
@@ -155,37 +186,40 @@ class Admission:
                 raise Overloaded(
                     f"encoder queue is full: {self._tokens} encoder tokens queued, the request adds "
                     f"{wanted}, cap {self._token_cap}",
-                    self._retry_ms(self.rates.drain_s(1)),
+                    self._retry_ms(self.rates.drain_s(1, now, self._batcher.running_items)),
                     FULL,
                 )
         try:
             reservation = self._pool.reserve(len(tokens))
         except QueueFull as exc:
-            retry = self._retry_ms(self.rates.drain_s(len(tokens)))
+            retry = self._retry_ms(self.rates.drain_s(len(tokens), now, self._batcher.running_items))
             raise Overloaded(f"{exc}; the request needs {len(tokens)}", retry, FULL) from None
-        self.rates.started(time.monotonic(), self._items)
+        self.rates.started(now, self._items)
         self._items += len(tokens)
         self._tokens += wanted
         return Ticket(self, reservation, tokens)
 
-    def expected_wait_s(self, items: int = 0) -> float:
-        """Seconds until the admitted items, plus `items` more, are through the encoder."""
-        return self.rates.drain_s(self._items + items)
+    def expected_wait_s(self, items: int = 0, now: float | None = None) -> float:
+        """Seconds until the admitted items, plus `items` more, are through the encoder (as of `now`)."""
+        now = time.monotonic() if now is None else now
+        return self.rates.drain_s(self._items + items, now, self._batcher.running_items)
 
     @staticmethod
     def _retry_ms(seconds: float) -> int:
         return min(10_000, max(20, round(1000 * seconds)))
 
     def snapshot(self) -> EncoderLoad:
+        now = time.monotonic()
+        wait_s = self.expected_wait_s(0, now)
         return EncoderLoad(
             self._items,
             self._tokens,
             self._pool.outstanding,
             self._batcher.queued_items,
             self._batcher.queued_tokens,
-            round(1000 * self.expected_wait_s()),
-            round(1000 * max(0.0, self.expected_wait_s() - self._max_queue_s)),
-            round(1000 * self.rates.item_s, 3),
+            round(1000 * wait_s),
+            round(1000 * max(0.0, wait_s - self._max_queue_s)),
+            round(1000 * self.rates.item_s(now, self._batcher.running_items), 3),
             round(1000 * self._max_queue_s),
         )
 

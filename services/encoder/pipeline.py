@@ -90,15 +90,19 @@ class Pipeline:
             cpu_threads, thread_name_prefix="encoder-prepare", initializer=functools.partial(lower_priority, nice)
         )
 
-    async def embed(self, items: Sequence[encoder_pb2.EncodeItem], budget_s: float | None = None) -> list[ItemOutcome]:
-        """Embeddings for `items` in order, admitted when expected within `budget_s`. Raises Overloaded
-        (nothing started), MediaError, or what encoding raised."""
+    async def embed(
+        self, items: Sequence[encoder_pb2.EncodeItem], budget_s: float | None = None, booked: bool = False
+    ) -> list[ItemOutcome]:
+        """Embeddings for `items` in order, admitted when expected within `budget_s` (and, unless `booked`, the
+        encoder's time budget: `Admission.admit`). Raises Overloaded (nothing started), MediaError, or what
+        encoding raised."""
         hashes = [item.ref.mm_hash for item in items]
         new: dict[str, int] = {}  # mm_hash -> first index, for items nobody here is producing yet
         for index, mm_hash in enumerate(hashes):
             if mm_hash not in self._inflight and mm_hash not in new:
                 new[mm_hash] = index
-        ticket = self._parts.admission.admit([max(1, items[i].ref.num_tokens) for i in new.values()], budget_s)
+        tokens = [max(1, items[i].ref.num_tokens) for i in new.values()]
+        ticket = self._parts.admission.admit(tokens, budget_s, booked)
         loop = asyncio.get_running_loop()
         for slot, (mm_hash, index) in enumerate(new.items()):
             task = loop.create_task(self._produce(slot, index, items[index], ticket))

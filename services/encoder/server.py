@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import io
 import logging
 import time
 from dataclasses import dataclass, field
@@ -99,7 +100,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         start = time.perf_counter()
         budget = _budget(request, context)
         try:
-            outcomes = await asyncio.wait_for(self._pipeline.embed(request.items, budget), budget)
+            outcomes = await asyncio.wait_for(self._pipeline.embed(request.items, budget, request.booked), budget)
         except Overloaded as exc:
             context.set_trailing_metadata(overload.trailing(exc.retry_after_ms, exc.kind))
             await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded", str(exc))
@@ -218,13 +219,26 @@ def _video_path(config: EncoderConfig, adapter: ModelAdapter, metrics: EncoderMe
     return VideoPath(canonical_json(adapter.processor_settings()), limits, config.video_decode_timeout_s, cache)
 
 
-async def _warm_up(runner: VisionRunner, batcher: Batcher) -> None:
-    """One small image through prepare and the tower, on their own threads, before serving."""
+WARM_UP_IMAGE = (448, 448)
+"""The warm-up's image: a common request size, whose measured cost seeds the drain rate (`EncoderRates`)."""
+
+
+async def _warm_up(runner: VisionRunner, batcher: Batcher, pool: PreprocessPool, settings: PreprocessSettings) -> float:
+    """One `WARM_UP_IMAGE` JPEG through decode, prepare and the tower, on their own processes and threads, before
+    serving (first-call costs paid), then again, timed: returns the second's seconds, one item's cost on this
+    host (what the encoder publishes as its rate until it has measured items of its own)."""
     from PIL import Image
 
-    image = Image.new("RGB", (64, 64), (128, 128, 128))
-    inputs = await asyncio.to_thread(runner.prepare, image)
-    await batcher.warm_up([inputs, inputs])
+    buffer = io.BytesIO()
+    Image.radial_gradient("L").resize(WARM_UP_IMAGE).convert("RGB").save(buffer, format="JPEG")
+    seconds = 0.0
+    for _ in range(2):
+        start = time.perf_counter()
+        decoded = await asyncio.wrap_future(pool.submit(buffer.getvalue(), settings))
+        inputs = await asyncio.to_thread(runner.prepare, decoded.image())
+        await batcher.warm_up([inputs])
+        seconds = time.perf_counter() - start
+    return seconds
 
 
 async def start_encoder(config: EncoderConfig) -> RunningEncoder:
@@ -248,8 +262,10 @@ async def start_encoder(config: EncoderConfig) -> RunningEncoder:
         thread_initializer=functools.partial(lower_priority, config.compute_nice),
     )
     batcher.start()
-    await _warm_up(runner, batcher)
-    admission = Admission(pool, batcher, config.queued_token_cap, config.encoder_max_queue_s, EncoderRates())
+    settings = PreprocessSettings(MediaLimits(max_pixels=config.max_image_pixels))
+    item_s = await _warm_up(runner, batcher, pool, settings)
+    rates = EncoderRates(item_s=item_s)
+    admission = Admission(pool, batcher, config.queued_token_cap, config.encoder_max_queue_s, rates)
     locks = InflightLocks(config.redis_url, info.identity.revision, cache.key, ttl_s=config.inflight_lock_ttl_s)
     pipeline = Pipeline(
         PipelineParts(
@@ -260,7 +276,7 @@ async def start_encoder(config: EncoderConfig) -> RunningEncoder:
             locks,
             admission,
             metrics,
-            PreprocessSettings(MediaLimits(max_pixels=config.max_image_pixels)),
+            settings,
             _video_path(config, info.adapter, metrics),
         ),
         cpu_threads=config.workers,
@@ -292,12 +308,13 @@ async def start_encoder(config: EncoderConfig) -> RunningEncoder:
     await running.set_serving([binding.name])  # healthy once routers can find it
     gc.freeze()  # the model, tokenizer and libraries never die: keep full collections off their objects
     log.info(
-        "encoder serving on %s (model %s, %d decode processes, queue %d, transport %s)",
+        "encoder serving on %s (model %s, %d decode processes, queue %d, transport %s, %.0f ms per warm-up item)",
         address,
         info.model_dir,
         config.workers,
         config.queue,
         config.embedding_transport,
+        1000 * item_s,
     )
     return RunningEncoder(
         running,

@@ -12,7 +12,9 @@ backlog passes its time budget; then the client gets RESOURCE_EXHAUSTED at once,
 judges each encoder as it would judge itself, from its heartbeat (queued items, drain rate, budget) plus
 the items this router counted on it since: when none has room the request is refused before any worker
 reserves blocks or any bytes are sent; otherwise its items are counted on their owners at once (a
-`Booking`, taken back when an owner refuses them or the request goes no further). A refusal by a count
+`Booking`, taken back when an owner refuses them or the request goes no further), and the Encode call
+to an owner says `booked`: the time budget was judged here, before placement, so the encoder judges only
+its count ceilings and the deadline (a refusal after a worker's reservation is a slow one). A refusal by a count
 ceiling (`epd-overload: full`) is momentary: the request is held and tried again after the hint,
 for at most `hold_s` in all and never past its deadline, as requests wait for KV blocks.
 """
@@ -229,12 +231,14 @@ class EncodeDispatcher:
         failing over to the other encoders, then to the worker itself (co-located encoding)."""
         request = encoder_pb2.EncodeRequest(request_id=request_id, items=items, destination=worker)
         places = list(dict.fromkeys([owner, *encoders])) if encoders else []
+        booked = set(booking.items)  # `check_room` judged these encoders' time budgets (a refusal un-counts)
         held_from = time.monotonic()
         held_until = min(deadline, held_from + self._hold_s)
         while True:
             held_s = time.monotonic() - held_from  # 0 on the first round
             failures: list[Failure] = []
             for encoder in places:
+                request.booked = encoder in booked
                 failure = await self._try(encoder, request, deadline, report, booking)
                 if failure is None:
                     report.stages.held_s = max(report.stages.held_s, held_s)
@@ -254,6 +258,7 @@ class EncodeDispatcher:
                     max(hints),
                 )
             await asyncio.sleep(retry_s)  # a count ceiling: momentary, so the request waits its turn
+        request.booked = False
         failure = await self._try(worker, request, deadline, report, booking)
         if failure is None:
             return

@@ -200,3 +200,63 @@ def test_a_request_with_unknown_images_is_refused_before_it_is_prepared() -> Non
     state.update(queued_items=10, at=2.0)  # its next heartbeat: room again
     asyncio.run(view.refresh())
     dispatcher.precheck(media_sources(fresh, "t1"))
+
+
+def test_the_call_to_the_encoder_this_router_booked_says_so(cache: EmbeddingCache) -> None:
+    """`check_room` judged the owner's time budget before placement, so the Encode call to the owner says `booked`
+    (the encoder then judges only its ceilings and the deadline); the same request failed over to another encoder
+    was judged by nobody there, so that call does not."""
+    from services.common.registry import Member
+
+    class Recording(BusyEncoder):
+        def __init__(self, fail: bool) -> None:
+            super().__init__(refusals=0, kind=overload.WAIT)
+            self.fail = fail
+            self.booked: list[bool] = []
+
+        async def Encode(self, request, context):  # noqa: N802 (gRPC's name)
+            self.booked.append(request.booked)
+            if self.fail:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "gone")
+            return encoder_pb2.EncodeResponse(encoded=len(request.items))
+
+    async def go() -> dict[str, Recording]:
+        servers, encoders = [], {}
+        for fail in (True, False):
+            encoder = Recording(fail)
+            binding = ServiceBinding(encoder_pb2_grpc.add_EncoderServicer_to_server, encoder, "epd.v1.Encoder")
+            server = await start_server("127.0.0.1", 0, [binding])
+            servers.append(server)
+            encoders[f"127.0.0.1:{server.port}"] = encoder
+        state = {"queued_items": 0, "item_ms": 100.0, "budget_ms": 1000, "over_budget_ms": 0}
+
+        class Published(StaticRegistry):
+            def members(self, role: str, revision: str | None = None) -> list[Member]:
+                return (
+                    [Member("encoder", a, "r", dict(state), time.time()) for a in encoders] if role == "encoder" else []
+                )
+
+        view = ClusterView(Published(), "r")  # type: ignore[arg-type]
+        await view.refresh()
+        channels = {address: grpc.aio.insecure_channel(address) for address in encoders}
+        dispatcher = EncodeDispatcher(view, cache, channels.__getitem__, [])
+        # an image whose owner (rendezvous hashing) is the failing encoder
+        failing = next(a for a, e in encoders.items() if e.fail)
+        ref = next(
+            r
+            for r in (common_pb2.MediaRef(mm_hash=uuid.uuid4().hex, num_tokens=4) for _ in range(100))
+            if dispatcher.check_room([encoder_pb2.EncodeItem(ref=r)]).items == {failing: 1}
+        )
+        item = encoder_pb2.EncodeItem(ref=ref, data=b"image")
+        booking = dispatcher.check_room([item])
+        try:
+            await dispatcher.encode_items("r1", [item], "127.0.0.1:1", time.monotonic() + 60, booking)
+        finally:
+            for channel in channels.values():
+                await channel.close()
+            for server in servers:
+                await server.stop()
+        return encoders
+
+    encoders = asyncio.run(go())
+    assert [e.booked for e in encoders.values()] == [[True], [False]]  # the owner booked; the failover not

@@ -90,31 +90,74 @@ def test_admission_queues_a_burst_within_the_time_budget_and_refuses_past_it() -
     run(go())
 
 
+def test_a_booked_request_is_judged_by_the_ceilings_and_its_deadline_not_the_time_budget() -> None:
+    """A router that booked a request judged the encoder's time budget before placing it on a worker: the
+    encoder admits it past that budget (a newer rate would refuse it after the worker reserved), still refuses
+    it by its own deadline and by the count ceilings, and judges an unbooked one by the budget as before."""
+
+    async def go() -> None:
+        with PreprocessPool(workers=1, max_queue=24) as pool:
+            batcher = Batcher(_no_tower, max_tokens=100, max_wait_s=0.0)
+            admission = Admission(pool, batcher, token_cap=10_000, max_queue_s=1.0, rates=EncoderRates(item_s=0.05))
+            tickets = [admission.admit([4] * 20)]  # 1.0 s: the budget is full
+            with pytest.raises(Overloaded, match="budget 1.00s"):
+                admission.admit([4])
+            tickets.append(admission.admit([4], booked=True))  # 1.05 s, past the budget: booked, admitted
+            with pytest.raises(Overloaded, match="budget 0.50s") as info:
+                admission.admit([4], budget_s=0.5, booked=True)  # its deadline still binds
+            assert info.value.kind == overload.WAIT
+            with pytest.raises(Overloaded, match="needs 4") as info:
+                admission.admit([4] * 4, booked=True)  # the pool's queue (24) is a ceiling for all
+            assert info.value.kind == overload.FULL
+            assert admission.snapshot().queued_items == 21
+            for ticket in tickets:
+                for index in range(len(ticket._tokens)):
+                    ticket.finish(index)
+
+    run(go())
+
+
 def test_encoder_rates_count_busy_time_per_encoded_item() -> None:
-    rates = EncoderRates(item_s=0.05, window=4, prior=2)
+    rates = EncoderRates(item_s=0.05, span_s=0.45, prior=2)
     rates.started(10.0, in_encoder_before=0)
     rates.started(10.0, in_encoder_before=1)  # a burst: the encoder was busy already
+    assert rates.item_s(10.0) == pytest.approx(0.05)
+    assert rates.item_s(10.3) == pytest.approx((0.1 + 0.3) / 3)  # no completion for 0.3 s: the rate rises
     rates.finished(10.4, in_encoder_after=2, encoded=True)  # the first carries the burst's wait
     rates.finished(10.4, in_encoder_after=1, encoded=True)  # finished with it: no busy time of its own
-    assert rates.item_s == pytest.approx((0.05 + 0.05 + 0.4 + 0.0) / 4)
+    assert rates.item_s(10.4) == pytest.approx((0.1 + 0.4 + 0.0) / 4)
     rates.finished(10.5, in_encoder_after=0, encoded=False)  # a cache hit: no sample; the encoder is idle
+    assert rates.item_s(50.0) == rates.item_s(10.4)  # idle: time passing says nothing
     rates.started(99.0, in_encoder_before=0)  # idle time never counts
     rates.finished(99.1, in_encoder_after=0, encoded=True)
-    assert rates.item_s == pytest.approx((0.05 + 0.4 + 0.0 + 0.1) / 4)  # the window keeps the last four
-    assert rates.drain_s(3) == pytest.approx(3 * rates.item_s)
+    assert rates.item_s(99.1) == pytest.approx((0.4 + 0.0 + 0.1) / 3)  # the prior left: the rest cover 0.45 s
+    assert rates.drain_s(3, 99.1) == pytest.approx(3 * rates.item_s(99.1))
+
+
+def test_a_batch_finishing_at_once_keeps_its_call_in_the_rate() -> None:
+    """A tower call that ends 64 items together gives one long sample and 63 of zero: the window, by busy time,
+    keeps the long one with them, so the rate is the call's time per item, not the zeros' (a window counted in
+    items once read 0.05 ms an item here and admitted a flood)."""
+    rates = EncoderRates(item_s=0.05, span_s=2.0, prior=8)
+    for call in range(3):
+        start = 10.0 + 3.2 * call
+        rates.started(start, in_encoder_before=0)
+        for item in range(64):
+            rates.finished(start + 3.2, in_encoder_after=63 - item, encoded=True)
+    assert rates.item_s(20.0) == pytest.approx(3.2 / 64)
 
 
 def test_encoded_items_teach_admission_its_rate() -> None:
     async def go() -> None:
         with PreprocessPool(workers=1, max_queue=8) as pool:
             batcher = Batcher(_no_tower, max_tokens=100, max_wait_s=0.0)
-            rates = EncoderRates(item_s=99.0, window=2, prior=1)
+            rates = EncoderRates(item_s=99.0, span_s=1.0, prior=1)
             admission = Admission(pool, batcher, token_cap=1000, max_queue_s=60.0, rates=rates)
             ticket = admission.admit([4, 4])
             ticket.finish(0)  # a cache hit or a failure: says nothing about the rate
-            assert rates.item_s == 99.0
+            assert rates.item_s(0.0) == 99.0  # nothing in the encoder: not busy, so time does not count
             ticket.finish(1, encoded=True)
-            assert rates.item_s < 99.0  # the encoded item's own (short) busy time joined the window
+            assert rates.item_s(0.0) < 99.0  # the encoded item's own (short) busy time joined the window
 
     run(go())
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.rpc.epd.v1 import common_pb2 as epd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65pd/v1/encoder.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\"9\n\nEncodeItem\x12\x1d\n\x03ref\x18\x01 \x01(\x0b\x32\x10.epd.v1.MediaRef\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"o\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x05items\x18\x02 \x03(\x0b\x32\x12.epd.v1.EncodeItem\x12\x13\n\x0b\x64\x65stination\x18\x03 \x01(\t\x12\x12\n\ndeadline_s\x18\x04 \x01(\x01\"i\n\x0e\x45ncodeResponse\x12\x0f\n\x07\x65ncoded\x18\x01 \x01(\r\x12\x0e\n\x06\x63\x61\x63hed\x18\x02 \x01(\r\x12\x10\n\x08\x65ncode_s\x18\x03 \x01(\x01\x12$\n\x06stages\x18\x04 \x01(\x0b\x32\x14.epd.v1.EncodeStages2B\n\x07\x45ncoder\x12\x37\n\x06\x45ncode\x12\x15.epd.v1.EncodeRequest\x1a\x16.epd.v1.EncodeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65pd/v1/encoder.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\"9\n\nEncodeItem\x12\x1d\n\x03ref\x18\x01 \x01(\x0b\x32\x10.epd.v1.MediaRef\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x7f\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x05items\x18\x02 \x03(\x0b\x32\x12.epd.v1.EncodeItem\x12\x13\n\x0b\x64\x65stination\x18\x03 \x01(\t\x12\x12\n\ndeadline_s\x18\x04 \x01(\x01\x12\x0e\n\x06\x62ooked\x18\x05 \x01(\x08\"i\n\x0e\x45ncodeResponse\x12\x0f\n\x07\x65ncoded\x18\x01 \x01(\r\x12\x0e\n\x06\x63\x61\x63hed\x18\x02 \x01(\r\x12\x10\n\x08\x65ncode_s\x18\x03 \x01(\x01\x12$\n\x06stages\x18\x04 \x01(\x0b\x32\x14.epd.v1.EncodeStages2B\n\x07\x45ncoder\x12\x37\n\x06\x45ncode\x12\x15.epd.v1.EncodeRequest\x1a\x16.epd.v1.EncodeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,9 +35,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENCODEITEM']._serialized_start=53
   _globals['_ENCODEITEM']._serialized_end=110
   _globals['_ENCODEREQUEST']._serialized_start=112
-  _globals['_ENCODEREQUEST']._serialized_end=223
-  _globals['_ENCODERESPONSE']._serialized_start=225
-  _globals['_ENCODERESPONSE']._serialized_end=330
-  _globals['_ENCODER']._serialized_start=332
-  _globals['_ENCODER']._serialized_end=398
+  _globals['_ENCODEREQUEST']._serialized_end=239
+  _globals['_ENCODERESPONSE']._serialized_start=241
+  _globals['_ENCODERESPONSE']._serialized_end=346
+  _globals['_ENCODER']._serialized_start=348
+  _globals['_ENCODER']._serialized_end=414
 # @@protoc_insertion_point(module_scope)

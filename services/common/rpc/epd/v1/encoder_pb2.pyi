@@ -16,16 +16,18 @@ class EncodeItem(_message.Message):
     def __init__(self, ref: _Optional[_Union[_common_pb2.MediaRef, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "items", "destination", "deadline_s")
+    __slots__ = ("request_id", "items", "destination", "deadline_s", "booked")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    BOOKED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     items: _containers.RepeatedCompositeFieldContainer[EncodeItem]
     destination: str
     deadline_s: float
-    def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[EncodeItem, _Mapping]]] = ..., destination: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+    booked: bool
+    def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[EncodeItem, _Mapping]]] = ..., destination: _Optional[str] = ..., deadline_s: _Optional[float] = ..., booked: _Optional[bool] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("encoded", "cached", "encode_s", "stages")
