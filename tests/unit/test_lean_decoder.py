@@ -12,12 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from services.models.lean_decoder import LeanDecoder
+from services.models import packed_linear
+from services.models.lean_decoder import LeanDecoder, projection_groups
 from services.models.registry import load_adapter
 from services.worker.engine.attention.backend import CONTEXT_KWARG, install_paged_attention
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import EngineRequest, SamplingOptions
+from tests.parts_product import by_parts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -108,14 +110,27 @@ def test_positions_the_rotary_does_not_take_fail_the_probe(tiny_llava_dir: Path)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_projections_give_the_untouched_models_logits(tiny_model_dir: Path, dtype: str) -> None:
-    """On the CPU every layer's q/k/v and gate/up run as one packed product each; the engine's step then gives the
-    logits a model never packed nor fused computes through transformers' forward on the same KV."""
+@pytest.mark.parametrize("product", ["library", "by-parts"])
+def test_fused_projections_give_the_untouched_models_logits(
+    tiny_model_dir: Path, dtype: str, product: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the CPU a layer's q/k/v and gate/up run as one packed product each where the probe finds each part's bits
+    (the library's product: host by host; one computed part by part, tests/parts_product.py: always, so the lean
+    forward's split and joint rotary are exercised on every host); the engine's step then gives the logits a model
+    never packed nor fused computes through transformers' forward on the same KV."""
     config = EngineConfig(max_num_batched_tokens=24, max_num_seqs=4, dtype=dtype)
     adapter = load_adapter(tiny_model_dir)
-    engine = Engine(adapter, adapter.load_model("cpu", config.torch_dtype), config)
+    model = adapter.load_model("cpu", config.torch_dtype)
+    if product == "by-parts":
+        groups = [
+            [getattr(owner, name).weight.detach() for name in names]
+            for owner, names in projection_groups(model.get_decoder())
+        ]
+        monkeypatch.setattr(packed_linear, "_pack", by_parts(groups))
+    engine = Engine(adapter, model, config)
     layers = engine.runner.lean.layers
-    assert all(layer.qkv is not None and layer.gate_up is not None for layer in layers)
+    fused = [layer.qkv is not None and layer.gate_up is not None for layer in layers]
+    assert all(fused) or (product == "library" and not any(fused))  # one verdict per kind of group
     chunks = _mixed_step(engine)
     fused = engine.runner.staged_forward(chunks, engine.embeddings)()
     untouched = adapter.load_model("cpu", config.torch_dtype)
