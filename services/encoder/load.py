@@ -172,8 +172,9 @@ class Admission:
         wanted = sum(tokens)
         now = time.monotonic()
         if self._items:
-            budgets = [] if booked else [self._max_queue_s]
-            budget = min([*budgets, *([budget_s] if budget_s is not None else [])], default=math.inf)
+            budget = math.inf if budget_s is None else budget_s
+            if not booked:
+                budget = min(budget, self._max_queue_s)
             wait = self.expected_wait_s(len(tokens), now)
             if wait > budget:
                 raise Overloaded(
