@@ -58,17 +58,15 @@ class EncoderView:
     budget_ms: int = 0  # the longest expected wait it admits
     backlog_items: float = 0.0  # its queued items, plus this router's bookings since (`_Backlog`)
 
-    def past_budget_ms(self, items: int, pending: float = 0.0) -> int:
+    def past_budget_ms(self, items: int) -> int:
         """How far past its budget the encoder's expected wait would be with `items` more, as the encoder itself
         judges it (services/encoder/load.py: nothing queued admits anything; else every queued item and these at
-        its drain rate), from this router's estimate of its queue plus `pending` items expected to be booked on it;
-        0 when they would be admitted."""
+        its drain rate), from this router's estimate of its queue; 0 when they would be admitted."""
         if not self.item_ms or not self.budget_ms:
             return self.over_budget_ms  # an encoder publishing no rate: its own verdict
-        backlog = self.backlog_items + pending
-        if backlog <= 0:
+        if self.backlog_items <= 0:
             return 0
-        return max(0, math.ceil((backlog + items) * self.item_ms - self.budget_ms))
+        return max(0, math.ceil((self.backlog_items + items) * self.item_ms - self.budget_ms))
 
 
 @dataclass

@@ -63,14 +63,6 @@ class Booking:
 
 
 @dataclass
-class Pending:
-    """The items a request that passed `precheck` may book: counted on the encoders until `check_room` books the
-    real ones or the request ends first (`settle`; idempotent)."""
-
-    items: int = 0
-
-
-@dataclass
 class EncodeReport:
     """Where a request's encoding went: seconds in all (0 when every item was cached) and per stage."""
 
@@ -122,7 +114,6 @@ class EncodeDispatcher:
         self._channel = channel
         self._static = static_encoders
         self._cached_sources: OrderedDict[str, None] = OrderedDict()  # `media_sources` keys found cached
-        self._pending = 0  # items of requests past `precheck` and not yet at `check_room` (`Pending`)
 
     def _encoders(self) -> list[str]:
         return [e.address for e in self._view.encoders()] or list(self._static)
@@ -139,33 +130,20 @@ class EncodeDispatcher:
             if not hit
         ]
 
-    def precheck(self, sources: list[str]) -> Pending:
+    def precheck(self, sources: list[str]) -> None:
         """Before a request is prepared (its media decoded, hashed and looked up): refuse it at once, as
         `check_room` would, when it carries media not known to be cached (`remember`) and no encoder would
-        admit that many items beside those of the requests that passed here and have not reached `check_room`
-        yet (spread over the encoders, as their owners are). An overloaded router then spends nothing on the
-        requests it must refuse, and a request whose images this router saw cached goes on to the real lookup.
-        Returns what it counted for this request: pass it to `check_room`, and to `settle` when the request ends."""
+        admit that many items. An overloaded router then spends nothing on the requests it must refuse, and a
+        request whose images this router saw cached goes on to the real lookup."""
         unknown = sum(1 for key in sources if key not in self._cached_sources)
         encoders = self._view.encoders()
-        if not unknown or not encoders:
-            return Pending()
-        pending = self._pending / len(encoders)
-        past = [e.past_budget_ms(unknown, pending) for e in encoders]
-        if all(p > 0 for p in past):
+        if unknown and encoders and all(e.past_budget_ms(unknown) > 0 for e in encoders):
             raise Rejection(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 "every encoder is busy (its queue's expected wait is past its budget); retry later",
                 "encoders_busy",
-                max(20, min(past)),
+                max(20, min(e.past_budget_ms(unknown) for e in encoders)),
             )
-        self._pending += unknown
-        return Pending(unknown)
-
-    def settle(self, pending: Pending) -> None:
-        """`pending`'s items no longer wait to be booked (booked, found cached, or the request ended)."""
-        self._pending -= pending.items
-        pending.items = 0
 
     def remember(self, sources: list[str]) -> None:
         """These media sources' embeddings are cached (looked up, or just encoded): `precheck` lets them by."""
@@ -175,15 +153,12 @@ class EncodeDispatcher:
         while len(self._cached_sources) > KNOWN_CACHED:
             self._cached_sources.popitem(last=False)
 
-    def check_room(self, items: list[encoder_pb2.EncodeItem], pending: Pending | None = None) -> Booking:
+    def check_room(self, items: list[encoder_pb2.EncodeItem]) -> Booking:
         """Refuse at once (RESOURCE_EXHAUSTED, before any worker reserves blocks) when there are items to encode
         and every registered encoder's backlog, as last published plus what this router sent it since, would be
         past its time budget with them; the encoders still decide (other routers send to them too). Otherwise
         the items are counted on their owners at once (so requests checked meanwhile see them): pass the booking
-        to `encode_items`, or to `release` when the request goes no further. `pending`, from `precheck`, is settled
-        first: these items replace it."""
-        if pending is not None:
-            self.settle(pending)
+        to `encode_items`, or to `release` when the request goes no further."""
         encoders = self._view.encoders()
         if not items or not encoders:
             return Booking()

@@ -260,38 +260,3 @@ def test_the_call_to_the_encoder_this_router_booked_says_so(cache: EmbeddingCach
 
     encoders = asyncio.run(go())
     assert [e.booked for e in encoders.values()] == [[True], [False]]  # the owner booked; the failover not
-
-
-def test_precheck_counts_the_requests_it_let_by_until_they_book() -> None:
-    """A burst's requests all pass `precheck` before any of them reaches `check_room` (their images are decoded,
-    hashed and looked up in between, hundreds of milliseconds in a burst): each one's unknown items count as pending
-    on the encoders, so the burst is refused on arrival once those would pass the budget, not at `check_room` after
-    its intake; `check_room` replaces them with the real booking, and `settle` gives back a request's that ended."""
-    from services.common.registry import Member
-
-    state = {"queued_items": 1, "item_ms": 100.0, "budget_ms": 850, "over_budget_ms": 0}
-
-    class Published(StaticRegistry):
-        def members(self, role: str, revision: str | None = None) -> list[Member]:
-            return [Member("encoder", "e1", "r", dict(state), time.time())] if role == "encoder" else []
-
-    view = ClusterView(Published(), "r")  # type: ignore[arg-type]
-    asyncio.run(view.refresh())
-    dispatcher = EncodeDispatcher(view, None, lambda _: None, [])  # type: ignore[arg-type, return-value]
-    sources = [[f"s{r}-{i}" for i in range(3)] for r in range(4)]
-    first = dispatcher.precheck(sources[0])  # (1 + 3) x 100 ms
-    second = dispatcher.precheck(sources[1])  # (1 + 3 pending + 3) x 100 ms
-    with pytest.raises(RequestError) as info:
-        dispatcher.precheck(sources[2])  # (1 + 6 pending + 3) x 100 ms past 850: refused on arrival
-    assert info.value.reason == "encoders_busy"
-    dispatcher.settle(first)  # that request ended before booking (a bad prompt, say)
-    dispatcher.settle(first)  # idempotent
-    third = dispatcher.precheck(sources[2])  # (1 + 3 + 3) x 100 ms
-    items = [encoder_pb2.EncodeItem(ref=common_pb2.MediaRef(mm_hash=f"h{i}", num_tokens=4)) for i in range(2)]
-    dispatcher.check_room(items, second)  # one of its three found cached: two booked, its pending settled
-    assert (second.items, third.items) == (0, 3)
-    dispatcher.precheck([])  # nothing unknown: nothing counted, nothing refused
-    with pytest.raises(RequestError):
-        dispatcher.precheck(sources[3])  # (1 + 2 booked + 3 pending + 3) x 100 ms
-    dispatcher.settle(third)
-    assert dispatcher.precheck(sources[3]).items == 3  # (1 + 2 + 3) x 100 ms
