@@ -110,10 +110,6 @@ class Batcher:
     def running_tokens(self) -> int:
         return self._running_tokens
 
-    @property
-    def running_items(self) -> int:
-        return len(self._running)
-
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="encoder-batcher")
 

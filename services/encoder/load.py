@@ -48,61 +48,70 @@ class Overloaded(RuntimeError):
 
 
 class EncoderRates:
-    """How fast the encoder drains its queue: busy seconds per encoded item over its last `span_s` busy seconds.
+    """How fast the encoder drains its queue: busy seconds per encoder token over its last `span_s` busy seconds.
 
     Each encoded item's sample is the busy time since the previous completion (or since the encoder
-    became busy, when it was idle): completions of a busy encoder come one throughput-interval apart,
-    however many items run side by side and whatever shares the host's cores, and idle time never
-    counts. The rate is the window's busy seconds over its items, the window the newest samples that
-    cover `span_s` (never fewer than one): a tower call that finishes a batch of many items at once
-    gives one long sample and many of zero, and the window holds the long one while it holds any of
-    the zeros. While busy, the time since the last completion counts as a sample of the items that will
-    end together next (one, or the tower call's batch) when that raises the rate: when completions
-    stall (the host slowed), the rate rises at once, not at the next completion. Cache hits and
-    failures add no sample. The prior, `prior` items at `item_s` (the warm-up's measured item), is the
-    first sample, so a burst's first completions (the first carries the pipeline's fill) move it in
-    proportion.
+    became busy, when it was idle) and the item's tokens: completions of a busy encoder come one
+    throughput-interval apart, however many items run side by side and whatever shares the host's cores,
+    and idle time never counts. The rate is the window's busy seconds over its tokens (an item's cost grows
+    with its tokens: a 200x200 image costs a fraction of a 448x448 one and a video many), the window the
+    newest samples that cover `span_s` (never fewer than one): a tower call that finishes a batch of many
+    items at once gives one long sample and many of zero, and the window holds the long one while it holds
+    any of the zeros. While busy, the time since the last completion counts as a sample of the tokens that
+    will end together next (the tower call's batch, or one item of the window's mean) when that raises the
+    rate: when completions stall (the host slowed), the rate rises at once, not at the next completion.
+    Cache hits, failures and videos add no sample. The prior, `prior` items of `item_tokens` at `item_s` each (the
+    warm-up's measured item), is the first sample, so a burst's first completions (the first carries the
+    pipeline's fill) move it in proportion.
     """
 
-    def __init__(self, item_s: float = 0.05, span_s: float = 2.0, prior: int = 8) -> None:
-        self._samples: deque[tuple[float, int]] = deque([(prior * item_s, prior)])
+    def __init__(self, item_s: float = 0.05, item_tokens: int = 256, span_s: float = 2.0, prior: int = 8) -> None:
+        self._samples: deque[tuple[float, int, int]] = deque([(prior * item_s, prior * item_tokens, prior)])
         self._seconds = prior * item_s
+        self._tokens = prior * item_tokens
         self._items = prior
         self._span_s = span_s
         self._busy_from: float | None = None
 
-    def item_s(self, now: float, completing: int = 1) -> float:
-        """Seconds per item at the measured throughput, as of `now`, with `completing` items to finish together
-        next (a tower call's batch)."""
-        measured = self._seconds / self._items
+    def token_s(self, now: float, completing: int = 0) -> float:
+        """Seconds per encoder token at the measured throughput, as of `now`, with `completing` tokens to finish
+        together next (a tower call's batch; 0: one item of the window's mean)."""
+        measured = self._seconds / self._tokens
         if self._busy_from is None:
             return measured
-        return max(measured, (self._seconds + now - self._busy_from) / (self._items + max(1, completing)))
+        completing = completing or max(1, round(self._tokens / self._items))
+        return max(measured, (self._seconds + now - self._busy_from) / (self._tokens + completing))
 
     def started(self, now: float, in_encoder_before: int) -> None:
         """Items were admitted at `now`; `in_encoder_before` items were in the encoder already."""
         if in_encoder_before == 0:
             self._busy_from = now
 
-    def finished(self, now: float, in_encoder_after: int, encoded: bool) -> None:
-        """An item left the encoder at `now` (`encoded`: through the tower), leaving `in_encoder_after`."""
+    def finished(self, now: float, in_encoder_after: int, tokens: int, encoded: bool, sample: bool = True) -> None:
+        """An item of `tokens` left the encoder at `now` (`encoded`: through the tower), leaving
+        `in_encoder_after` items. An encoded item that is not a `sample` (a video: its frames' decode costs
+        many times an image's per token, 15.7 s for 96 tokens of a 2 s clip on a loaded host, and the rate
+        prices images) ends its busy time without adding to the rate."""
         if encoded and self._busy_from is not None:
-            self._add(max(0.0, now - self._busy_from))
+            if sample:
+                self._add(max(0.0, now - self._busy_from), max(1, tokens))
             self._busy_from = now
         if in_encoder_after == 0:
             self._busy_from = None
 
-    def drain_s(self, items: int, now: float, completing: int = 1) -> float:
-        """Seconds to get `items` items through the encoder, as of `now` (`completing`: see `item_s`)."""
-        return items * self.item_s(now, completing)
+    def drain_s(self, tokens: int, now: float, completing: int = 0) -> float:
+        """Seconds to get `tokens` encoder tokens through the encoder, as of `now` (`completing`: see `token_s`)."""
+        return tokens * self.token_s(now, completing)
 
-    def _add(self, seconds: float) -> None:
-        self._samples.append((seconds, 1))
+    def _add(self, seconds: float, tokens: int) -> None:
+        self._samples.append((seconds, tokens, 1))
         self._seconds += seconds
+        self._tokens += tokens
         self._items += 1
         while len(self._samples) > 1 and self._seconds - self._samples[0][0] >= self._span_s:
-            old_seconds, old_items = self._samples.popleft()
+            old_seconds, old_tokens, old_items = self._samples.popleft()
             self._seconds -= old_seconds
+            self._tokens -= old_tokens
             self._items -= old_items
 
 
@@ -117,7 +126,7 @@ class EncoderLoad:
     batch_queue_tokens: int
     expected_wait_ms: int
     over_budget_ms: int  # how far the expected wait is past the budget: the router refuses before any call
-    item_ms: float = 0.0  # the measured drain rate, milliseconds per item (`EncoderRates.item_s`)
+    token_ms: float = 0.0  # the measured drain rate, milliseconds per encoder token (`EncoderRates.token_s`)
     budget_ms: int = 0  # the longest expected wait admitted (`max_queue_s`)
 
     def as_state(self) -> dict[str, float]:
@@ -139,16 +148,17 @@ class Ticket:
         self._slot_unused[index] = False
         return self.reservation
 
-    def finish(self, index: int, encoded: bool = False) -> None:
+    def finish(self, index: int, encoded: bool = False, sample: bool = True) -> None:
         """Item `index` is done (any outcome; `encoded` when it ran through the tower, which measures the
-        drain rate): give back its tokens, and its slot if unused."""
+        drain rate unless not a `sample`: see `EncoderRates.finished`): give back its tokens, and its slot if
+        unused."""
         if not self._open[index]:
             return
         self._open[index] = False
         if self._slot_unused[index]:
             self._slot_unused[index] = False
             self.reservation.release(1)
-        self._admission._finish(self._tokens[index], encoded)
+        self._admission._finish(self._tokens[index], encoded, sample)
 
 
 class Admission:
@@ -175,11 +185,11 @@ class Admission:
             budget = math.inf if budget_s is None else budget_s
             if not booked:
                 budget = min(budget, self._max_queue_s)
-            wait = self.expected_wait_s(len(tokens), now)
+            wait = self.expected_wait_s(wanted, now)
             if wait > budget:
                 raise Overloaded(
                     f"encoder queue too long: expected wait {wait:.2f}s for {self._items} queued item(s) "
-                    f"and this request's {len(tokens)}, budget {budget:.2f}s",
+                    f"({self._tokens} tokens) and this request's {len(tokens)} ({wanted}), budget {budget:.2f}s",
                     self._retry_ms(wait - budget),
                     WAIT,
                 )
@@ -187,23 +197,26 @@ class Admission:
                 raise Overloaded(
                     f"encoder queue is full: {self._tokens} encoder tokens queued, the request adds "
                     f"{wanted}, cap {self._token_cap}",
-                    self._retry_ms(self.rates.drain_s(1, now, self._batcher.running_items)),
+                    self._retry_ms(self._drain_s(self._tokens + wanted - self._token_cap, now)),
                     FULL,
                 )
         try:
             reservation = self._pool.reserve(len(tokens))
         except QueueFull as exc:
-            retry = self._retry_ms(self.rates.drain_s(len(tokens), now, self._batcher.running_items))
+            retry = self._retry_ms(self._drain_s(wanted, now))
             raise Overloaded(f"{exc}; the request needs {len(tokens)}", retry, FULL) from None
         self.rates.started(now, self._items)
         self._items += len(tokens)
         self._tokens += wanted
         return Ticket(self, reservation, tokens)
 
-    def expected_wait_s(self, items: int = 0, now: float | None = None) -> float:
-        """Seconds until the admitted items, plus `items` more, are through the encoder (as of `now`)."""
-        now = time.monotonic() if now is None else now
-        return self.rates.drain_s(self._items + items, now, self._batcher.running_items)
+    def expected_wait_s(self, tokens: int = 0, now: float | None = None) -> float:
+        """Seconds until the admitted items, plus `tokens` more encoder tokens, are through the encoder (as of
+        `now`)."""
+        return self._drain_s(self._tokens + tokens, time.monotonic() if now is None else now)
+
+    def _drain_s(self, tokens: int, now: float) -> float:
+        return self.rates.drain_s(tokens, now, self._batcher.running_tokens)
 
     @staticmethod
     def _retry_ms(seconds: float) -> int:
@@ -220,11 +233,11 @@ class Admission:
             self._batcher.queued_tokens,
             round(1000 * wait_s),
             round(1000 * max(0.0, wait_s - self._max_queue_s)),
-            round(1000 * self.rates.item_s(now, self._batcher.running_items), 3),
+            round(1000 * self.rates.token_s(now, self._batcher.running_tokens), 6),
             round(1000 * self._max_queue_s),
         )
 
-    def _finish(self, tokens: int, encoded: bool) -> None:
+    def _finish(self, tokens: int, encoded: bool, sample: bool) -> None:
         self._items -= 1
         self._tokens -= tokens
-        self.rates.finished(time.monotonic(), self._items, encoded)
+        self.rates.finished(time.monotonic(), self._items, tokens, encoded, sample)

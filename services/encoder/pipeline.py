@@ -143,7 +143,7 @@ class Pipeline:
                 if tensor is not None:
                     return ItemOutcome(mm_hash, ItemEmbedding.from_host(tensor), "peer")
         finally:
-            ticket.finish(slot, encoded)
+            ticket.finish(slot, encoded, sample=item.ref.modality != "video")
 
     async def _encode(
         self, slot: int, index: int, item: encoder_pb2.EncodeItem, ticket: Ticket, times: dict[str, float]

@@ -264,7 +264,8 @@ async def start_encoder(config: EncoderConfig) -> RunningEncoder:
     batcher.start()
     settings = PreprocessSettings(MediaLimits(max_pixels=config.max_image_pixels))
     item_s = await _warm_up(runner, batcher, pool, settings)
-    rates = EncoderRates(item_s=item_s)
+    item_tokens = info.adapter.image_tokens(*WARM_UP_IMAGE).num_tokens
+    rates = EncoderRates(item_s=item_s, item_tokens=item_tokens)
     admission = Admission(pool, batcher, config.queued_token_cap, config.encoder_max_queue_s, rates)
     locks = InflightLocks(config.redis_url, info.identity.revision, cache.key, ttl_s=config.inflight_lock_ttl_s)
     pipeline = Pipeline(
@@ -308,13 +309,15 @@ async def start_encoder(config: EncoderConfig) -> RunningEncoder:
     await running.set_serving([binding.name])  # healthy once routers can find it
     gc.freeze()  # the model, tokenizer and libraries never die: keep full collections off their objects
     log.info(
-        "encoder serving on %s (model %s, %d decode processes, queue %d, transport %s, %.0f ms per warm-up item)",
+        "encoder serving on %s (model %s, %d decode processes, queue %d, transport %s, %.0f ms per warm-up item"
+        " of %d tokens)",
         address,
         info.model_dir,
         config.workers,
         config.queue,
         config.embedding_transport,
         1000 * item_s,
+        item_tokens,
     )
     return RunningEncoder(
         running,

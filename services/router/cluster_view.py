@@ -49,47 +49,49 @@ class WorkerView:
 
 @dataclass(frozen=True)
 class EncoderView:
-    """An encoder's last published load, and this router's estimate of its queue now (`backlog_items`)."""
+    """An encoder's last published load, and this router's estimate of its queue now (`backlog_tokens`)."""
 
     address: str
     queued_tokens: int
     over_budget_ms: int = 0  # how far its queue's expected wait was past its budget (0: it admits)
-    item_ms: float = 0.0  # its measured drain rate (0: an encoder that does not publish one)
+    token_ms: float = 0.0  # its measured drain rate per encoder token (0: an encoder that does not publish one)
     budget_ms: int = 0  # the longest expected wait it admits
-    backlog_items: float = 0.0  # its queued items, plus this router's bookings since (`_Backlog`)
+    backlog_tokens: float = 0.0  # its queued encoder tokens, plus this router's bookings since (`_Backlog`)
 
-    def past_budget_ms(self, items: int) -> int:
-        """How far past its budget the encoder's expected wait would be with `items` more, as the encoder itself
-        judges it (services/encoder/load.py: nothing queued admits anything; else every queued item and these at
-        its drain rate), from this router's estimate of its queue; 0 when they would be admitted."""
-        if not self.item_ms or not self.budget_ms:
+    def past_budget_ms(self, tokens: float, pending: float = 0.0) -> int:
+        """How far past its budget the encoder's expected wait would be with `tokens` more encoder tokens, as the
+        encoder itself judges it (services/encoder/load.py: nothing queued admits anything; else every queued
+        token and these at its drain rate), from this router's estimate of its queue plus `pending` tokens
+        expected to be booked on it; 0 when they would be admitted."""
+        if not self.token_ms or not self.budget_ms:
             return self.over_budget_ms  # an encoder publishing no rate: its own verdict
-        if self.backlog_items <= 0:
+        backlog = self.backlog_tokens + pending
+        if backlog <= 0:
             return 0
-        return max(0, math.ceil((self.backlog_items + items) * self.item_ms - self.budget_ms))
+        return max(0, math.ceil((backlog + tokens) * self.token_ms - self.budget_ms))
 
 
 @dataclass
 class _Backlog:
-    """One encoder's queue as this router reckons it: the `items` its heartbeat published at `published_at`
+    """One encoder's queue as this router reckons it: the `tokens` its heartbeat published at `published_at`
     said (read by this router at `read_at`, its clock) plus this router's bookings since. Heartbeats come every
     fraction of a second and replace it, so nothing is drained meanwhile (the encoder's own wait falls only as
     items finish); once none has come for `STALE_S` it drains at the published rate (fail open while blind)."""
 
     published_at: float
-    items: float
+    tokens: float
     read_at: float
-    item_ms: float
+    token_ms: float
 
     def now(self, now: float) -> float:
-        drained = 1000 * max(0.0, now - self.read_at - STALE_S) / self.item_ms if self.item_ms else 0.0
-        return max(0.0, self.items - drained)
+        drained = 1000 * max(0.0, now - self.read_at - STALE_S) / self.token_ms if self.token_ms else 0.0
+        return max(0.0, self.tokens - drained)
 
-    def add(self, items: int, now: float) -> None:
-        """`items` more (negative: fewer) from `now` on; what drained before stays drained."""
+    def add(self, tokens: int, now: float) -> None:
+        """`tokens` more (negative: fewer) from `now` on; what drained before stays drained."""
         current = self.now(now)
         self.read_at = max(self.read_at, now - STALE_S)
-        self.items = max(0.0, current + items)
+        self.tokens = max(0.0, current + tokens)
 
 
 @dataclass(eq=False)
@@ -149,8 +151,10 @@ class ClusterView:
             self._backlogs = {}
             for m in encoders:  # a new heartbeat replaces what this router reckoned since the last one
                 same = m.address in known and known[m.address].published_at == m.published_at
-                queued, item_ms = int(m.state.get("queued_items", 0)), float(m.state.get("item_ms", 0.0))
-                self._backlogs[m.address] = known[m.address] if same else _Backlog(m.published_at, queued, now, item_ms)
+                queued, token_ms = int(m.state.get("queued_tokens", 0)), float(m.state.get("token_ms", 0.0))
+                self._backlogs[m.address] = (
+                    known[m.address] if same else _Backlog(m.published_at, queued, now, token_ms)
+                )
         # An admission or release stays pending until the worker publishes a state read after it
         # (both times are the worker's own clock, taken from its replies).
         members = [*self._workers, *self._prefill]  # a remote prefill holds its prefill worker's blocks likewise
@@ -227,12 +231,12 @@ class ClusterView:
         refreshes Redis answered; 0 while it is listed, or when this router never saw it listed."""
         return self._absent.get(worker, 0.0)
 
-    def note_sent(self, encoder: str, items: int) -> None:
-        """This router booked `items` items on `encoder` (negative: taken back): added to its queue until its next
-        heartbeat (which counts them itself, once admitted), so a burst sees what it adds."""
+    def note_sent(self, encoder: str, tokens: int) -> None:
+        """This router booked items of `tokens` encoder tokens on `encoder` (negative: taken back): added to its
+        queue until its next heartbeat (which counts them itself, once admitted), so a burst sees what it adds."""
         backlog = self._backlogs.get(encoder)
         if backlog is not None:
-            backlog.add(items, self._clock())
+            backlog.add(tokens, self._clock())
 
     def encoders(self) -> list[EncoderView]:
         now = self._clock()
@@ -245,9 +249,9 @@ class ClusterView:
                     m.address,
                     int(state.get("queued_tokens", 0)),
                     int(state.get("over_budget_ms", 0)),
-                    item_ms=float(state.get("item_ms", 0.0)),
+                    token_ms=float(state.get("token_ms", 0.0)),
                     budget_ms=int(state.get("budget_ms", 0)),
-                    backlog_items=backlog.now(now) if backlog is not None else 0.0,
+                    backlog_tokens=backlog.now(now) if backlog is not None else 0.0,
                 )
             )
         return out

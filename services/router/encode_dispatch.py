@@ -9,9 +9,9 @@ serves `epd.v1.Encoder`). Bad media (INVALID_ARGUMENT) fails the request at once
 Busy encoders: an encoder admits by expected wait and refuses with `epd-overload: wait` when its
 backlog passes its time budget; then the client gets RESOURCE_EXHAUSTED at once, with the encoders'
 `retry-after-ms` (overload is a fast refusal, never pushed onto a worker). Before that, `check_room`
-judges each encoder as it would judge itself, from its heartbeat (queued items, drain rate, budget) plus
-the items this router counted on it since: when none has room the request is refused before any worker
-reserves blocks or any bytes are sent; otherwise its items are counted on their owners at once (a
+judges each encoder as it would judge itself, from its heartbeat (queued encoder tokens, drain rate per
+token, budget) plus the tokens this router counted on it since: when none has room the request is refused
+before any worker reserves blocks or any bytes are sent; otherwise its items are counted on their owners at once (a
 `Booking`, taken back when an owner refuses them or the request goes no further), and the Encode call
 to an owner says `booked`: the time budget was judged here, before placement, so the encoder judges only
 its count ceilings and the deadline (a refusal after a worker's reservation is a slow one). A refusal by a count
@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import statistics
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -57,9 +58,19 @@ class Failure:
 
 @dataclass
 class Booking:
-    """The items `check_room` counted on their owners' queues for one request, until an owner refuses them."""
+    """The encoder tokens `check_room` counted on each owner's queue for one request, until an owner refuses
+    them."""
 
-    items: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Pending:
+    """The encoder tokens a request that passed `precheck` may book (its unknown items at the estimate of one):
+    counted on the encoders until `check_room` books the real ones or the request ends first (`settle`;
+    idempotent)."""
+
+    tokens: float = 0.0
 
 
 @dataclass
@@ -78,6 +89,8 @@ class EncodeReport:
 
 KNOWN_CACHED = 4096
 """Media sources remembered as cached (`EncodeDispatcher.remember`), most recent first kept."""
+RECENT_ITEMS = 64
+"""Items booked last whose tokens give `precheck` its estimate of an item not yet counted (their median)."""
 
 
 def media_sources(request: generation_pb2.GenerateRequest, tenant: str) -> list[str]:
@@ -114,6 +127,8 @@ class EncodeDispatcher:
         self._channel = channel
         self._static = static_encoders
         self._cached_sources: OrderedDict[str, None] = OrderedDict()  # `media_sources` keys found cached
+        self._pending = 0.0  # tokens of requests past `precheck` and not yet at `check_room` (`Pending`)
+        self._recent: deque[int] = deque(maxlen=RECENT_ITEMS)  # the tokens of the items booked last
 
     def _encoders(self) -> list[str]:
         return [e.address for e in self._view.encoders()] or list(self._static)
@@ -130,20 +145,36 @@ class EncodeDispatcher:
             if not hit
         ]
 
-    def precheck(self, sources: list[str]) -> None:
+    def precheck(self, sources: list[str]) -> Pending:
         """Before a request is prepared (its media decoded, hashed and looked up): refuse it at once, as
         `check_room` would, when it carries media not known to be cached (`remember`) and no encoder would
-        admit that many items. An overloaded router then spends nothing on the requests it must refuse, and a
-        request whose images this router saw cached goes on to the real lookup."""
+        admit them beside the requests that passed here and have not reached `check_room` yet (spread over the
+        encoders, as their owners are). Their sizes are not known yet: each unknown item counts as the median of
+        the items booked last (none booked yet: nothing, so only a backlog already past the budget refuses).
+        An overloaded router then spends nothing on the requests it must refuse, and a request whose images this
+        router saw cached goes on to the real lookup. Returns what it counted for this request: pass it to
+        `check_room`, and to `settle` when the request ends."""
         unknown = sum(1 for key in sources if key not in self._cached_sources)
         encoders = self._view.encoders()
-        if unknown and encoders and all(e.past_budget_ms(unknown) > 0 for e in encoders):
+        if not unknown or not encoders:
+            return Pending()
+        tokens = unknown * (statistics.median_low(self._recent) if self._recent else 0)
+        pending = self._pending / len(encoders)
+        past = [e.past_budget_ms(tokens, pending) for e in encoders]
+        if all(p > 0 for p in past):
             raise Rejection(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 "every encoder is busy (its queue's expected wait is past its budget); retry later",
                 "encoders_busy",
-                max(20, min(e.past_budget_ms(unknown) for e in encoders)),
+                max(20, min(past)),
             )
+        self._pending += tokens
+        return Pending(tokens)
+
+    def settle(self, pending: Pending) -> None:
+        """`pending`'s tokens no longer wait to be booked (booked, found cached, or the request ended)."""
+        self._pending -= pending.tokens
+        pending.tokens = 0.0
 
     def remember(self, sources: list[str]) -> None:
         """These media sources' embeddings are cached (looked up, or just encoded): `precheck` lets them by."""
@@ -153,16 +184,20 @@ class EncodeDispatcher:
         while len(self._cached_sources) > KNOWN_CACHED:
             self._cached_sources.popitem(last=False)
 
-    def check_room(self, items: list[encoder_pb2.EncodeItem]) -> Booking:
+    def check_room(self, items: list[encoder_pb2.EncodeItem], pending: Pending | None = None) -> Booking:
         """Refuse at once (RESOURCE_EXHAUSTED, before any worker reserves blocks) when there are items to encode
         and every registered encoder's backlog, as last published plus what this router sent it since, would be
         past its time budget with them; the encoders still decide (other routers send to them too). Otherwise
         the items are counted on their owners at once (so requests checked meanwhile see them): pass the booking
-        to `encode_items`, or to `release` when the request goes no further."""
+        to `encode_items`, or to `release` when the request goes no further. `pending`, from `precheck`, is settled
+        first: these items replace it."""
+        if pending is not None:
+            self.settle(pending)
         encoders = self._view.encoders()
         if not items or not encoders:
             return Booking()
-        past = [e.past_budget_ms(len(items)) for e in encoders]
+        tokens = [max(1, item.ref.num_tokens) for item in items]
+        past = [e.past_budget_ms(sum(tokens)) for e in encoders]
         if all(p > 0 for p in past):
             raise Rejection(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -171,15 +206,16 @@ class EncodeDispatcher:
                 max(20, min(past)),
             )
         groups = group_by_encoder([item.ref.mm_hash for item in items], [e.address for e in encoders])
-        booking = Booking({owner: len(indexes) for owner, indexes in groups.items()})
-        for owner, count in booking.items.items():
+        booking = Booking({owner: sum(tokens[i] for i in indexes) for owner, indexes in groups.items()})
+        for owner, count in booking.tokens.items():
             self._view.note_sent(owner, count)
+        self._recent.extend(tokens)
         return booking
 
     def release(self, booking: Booking, address: str | None = None) -> None:
         """Take back what `booking` counted (on `address` only, when given): those items were not admitted."""
-        for owner in [address] if address is not None else list(booking.items):
-            count = booking.items.pop(owner, 0)
+        for owner in [address] if address is not None else list(booking.tokens):
+            count = booking.tokens.pop(owner, 0)
             if count:
                 self._view.note_sent(owner, -count)
 
@@ -231,7 +267,7 @@ class EncodeDispatcher:
         failing over to the other encoders, then to the worker itself (co-located encoding)."""
         request = encoder_pb2.EncodeRequest(request_id=request_id, items=items, destination=worker)
         places = list(dict.fromkeys([owner, *encoders])) if encoders else []
-        booked = set(booking.items)  # `check_room` judged these encoders' time budgets (a refusal un-counts)
+        booked = set(booking.tokens)  # `check_room` judged these encoders' time budgets (a refusal un-counts)
         held_from = time.monotonic()
         held_until = min(deadline, held_from + self._hold_s)
         while True:

@@ -32,7 +32,7 @@ from services.router.admission import Admission, Rejection, Reserved
 from services.router.auth import DEFAULT_TENANT
 from services.router.cluster_view import ClusterView, WorkerView
 from services.router.config import RouterConfig
-from services.router.encode_dispatch import EncodeDispatcher, media_sources
+from services.router.encode_dispatch import EncodeDispatcher, Pending, media_sources
 from services.router.errors import RequestError
 from services.router.metrics import RouterMetrics
 from services.router.migration import Migrations, Progress, WorkerLost, continuation, lost_reason, watch_vanished
@@ -228,49 +228,60 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         The tenant is folded into the prefix salt and the items' keys here, before anything downstream."""
         intake_from = time.perf_counter()
         sources = media_sources(request, tenant)
-        self._dispatcher.precheck(sources)  # no encoder has room for its unknown images: refused before any work
-        with tracer().start_as_current_span("intake") as intake:  # parse, fetch, count; no text in the span
-            prepared = await self._prep.prepare(request)
-            intake.set_attribute("epd.items", len(prepared.accounted.refs))
-            intake.set_attribute("epd.prompt_tokens", prepared.accounted.prompt_tokens)
-        note_step("intake")
-        accounted, sampling = prepared.accounted, prepared.sampling
-        self._tenancy.gate.charge(tenant, accounted.projected_tokens)
-        scope_items(accounted.refs, tenant, self._tenancy.share_embeddings)
-        request_id = current_request_id() or request.request_id or uuid.uuid4().hex  # RequestRecord bound it
-        timeout = min(self._config.request_timeout_s, timeout_s if timeout_s is not None else float("inf"))
-        deadline = time.monotonic() + timeout
-        base = worker_pb2.WorkerRequest(
-            request_id=request_id,
-            token_ids=accounted.token_ids,
-            media=accounted.worker_media(),
-            sampling=sampling,
-            cache_salt=prefix_salt(tenant, request.cache_salt),
-            embedding_timeout_s=min(timeout, self._config.encode_timeout_s),
-        )
-        choices = Choices(self._info.adapter.tokenizer, list(sampling.stop), sampling.n, self._token_texts)
-        intake_s = time.perf_counter() - intake_from
-        state = StreamState(
-            choices, Progress(sampling.n), start, intake_s, prompt_tokens=accounted.prompt_tokens, tools=prepared.tools
-        )
-        migrations = Migrations(
-            self._config.migration_limit, lambda reason: self._metrics.migrations.add(1, {"reason": reason})
-        )
-        local = False  # after a remote prefill failed, the request prefills on its decode worker
-        while not choices.done:
-            attempt = continuation(base, state.progress, migrations.done)
-            try:
-                run = self._attempt(attempt, accounted, deadline, state, sources, local)
-                async with contextlib.aclosing(run) as chunks:
-                    async for chunk in chunks:
-                        yield generation_pb2.GenerateResponse(chunk=chunk)
-                break
-            except WorkerLost as lost:
-                local = local or lost.reason == PREFILL_LOST
-                trace.get_current_span().add_event("migration", {"epd.reason": lost.reason, "epd.worker": lost.worker})
-                migrations.next(lost, state.progress)  # raises UNAVAILABLE past the limit
-                log.warning("request %s: %s; migrating (%d so far)", request_id, lost, migrations.done)
-        yield generation_pb2.GenerateResponse(final=state.final(accounted, request_id, migrations.done))
+        # no encoder has room for its unknown images (with those of the requests ahead): refused before any work
+        pending = self._dispatcher.precheck(sources)
+        try:
+            with tracer().start_as_current_span("intake") as intake:  # parse, fetch, count; no text in the span
+                prepared = await self._prep.prepare(request)
+                intake.set_attribute("epd.items", len(prepared.accounted.refs))
+                intake.set_attribute("epd.prompt_tokens", prepared.accounted.prompt_tokens)
+            note_step("intake")
+            accounted, sampling = prepared.accounted, prepared.sampling
+            self._tenancy.gate.charge(tenant, accounted.projected_tokens)
+            scope_items(accounted.refs, tenant, self._tenancy.share_embeddings)
+            request_id = current_request_id() or request.request_id or uuid.uuid4().hex  # RequestRecord bound it
+            timeout = min(self._config.request_timeout_s, timeout_s if timeout_s is not None else float("inf"))
+            deadline = time.monotonic() + timeout
+            base = worker_pb2.WorkerRequest(
+                request_id=request_id,
+                token_ids=accounted.token_ids,
+                media=accounted.worker_media(),
+                sampling=sampling,
+                cache_salt=prefix_salt(tenant, request.cache_salt),
+                embedding_timeout_s=min(timeout, self._config.encode_timeout_s),
+            )
+            choices = Choices(self._info.adapter.tokenizer, list(sampling.stop), sampling.n, self._token_texts)
+            intake_s = time.perf_counter() - intake_from
+            state = StreamState(
+                choices,
+                Progress(sampling.n),
+                start,
+                intake_s,
+                prompt_tokens=accounted.prompt_tokens,
+                tools=prepared.tools,
+            )
+            migrations = Migrations(
+                self._config.migration_limit, lambda reason: self._metrics.migrations.add(1, {"reason": reason})
+            )
+            local = False  # after a remote prefill failed, the request prefills on its decode worker
+            while not choices.done:
+                attempt = continuation(base, state.progress, migrations.done)
+                try:
+                    run = self._attempt(attempt, accounted, deadline, state, sources, pending, local)
+                    async with contextlib.aclosing(run) as chunks:
+                        async for chunk in chunks:
+                            yield generation_pb2.GenerateResponse(chunk=chunk)
+                    break
+                except WorkerLost as lost:
+                    local = local or lost.reason == PREFILL_LOST
+                    trace.get_current_span().add_event(
+                        "migration", {"epd.reason": lost.reason, "epd.worker": lost.worker}
+                    )
+                    migrations.next(lost, state.progress)  # raises UNAVAILABLE past the limit
+                    log.warning("request %s: %s; migrating (%d so far)", request_id, lost, migrations.done)
+            yield generation_pb2.GenerateResponse(final=state.final(accounted, request_id, migrations.done))
+        finally:
+            self._dispatcher.settle(pending)  # a request that ended before `check_room`
 
     async def _attempt(
         self,
@@ -279,10 +290,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         deadline: float,
         state: StreamState,
         sources: list[str],
+        pending: Pending,
         local: bool = False,
     ):
         """One worker serving the request: admission, the encode task, the stream; the chunks for the client
-        (`sources`: its media's `media_sources` keys, remembered once their embeddings are cached). With a remote
+        (`sources`: its media's `media_sources` keys, remembered once their embeddings are cached; `pending`: what
+        `precheck` counted for them, settled by `check_room`). With a remote
         prefill (placement paired the worker with a prefill worker; never when `local`) the embeddings go to the
         prefill worker and a task runs its prefill, whose failure cancels the stream (WorkerLost, reason
         PREFILL_LOST). Raises WorkerLost when the worker fails in a way another worker may cure."""
@@ -299,7 +312,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             missing = {item.ref.mm_hash for item in items}
             found = [key for key, ref in zip(sources, accounted.refs, strict=True) if ref.mm_hash not in missing]
             self._dispatcher.remember(found)
-        booking = self._dispatcher.check_room(items)  # no encoder has room: refused before a worker reserves
+        booking = self._dispatcher.check_room(items, pending)  # no room: refused before a worker reserves
         try:
             with tracer().start_as_current_span("admission") as placing:  # the worker call opened here is its child
                 admitted = await self._admission.admit(

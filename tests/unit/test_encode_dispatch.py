@@ -123,14 +123,14 @@ def test_every_encoder_past_its_budget_refuses_before_any_call(cache: EmbeddingC
 
 
 def test_the_router_counts_what_it_booked_since_the_encoders_heartbeat() -> None:
-    """An encoder publishing its queue, drain rate and budget is judged as it judges itself, with the items this
+    """An encoder publishing its queue, drain rate and budget is judged as it judges itself, with the tokens this
     router booked on it since that heartbeat added (each request's at once, so requests checked meanwhile see
     them): a burst is refused at the router once its own bookings would pass the budget, before any worker or
     encoder call; a booking given back no longer counts, the next heartbeat (which counts admitted items itself)
     replaces them, and without heartbeats the backlog drains at one second a second."""
     from services.common.registry import Member
 
-    published = {"at": 1.0, "state": {"queued_items": 0, "item_ms": 100.0, "budget_ms": 1000, "over_budget_ms": 0}}
+    published = {"at": 1.0, "state": {"queued_tokens": 0, "token_ms": 25.0, "budget_ms": 1000, "over_budget_ms": 0}}
 
     class Published(StaticRegistry):
         def members(self, role: str, revision: str | None = None) -> list[Member]:
@@ -146,9 +146,9 @@ def test_the_router_counts_what_it_booked_since_the_encoders_heartbeat() -> None
     def items(n: int) -> list[encoder_pb2.EncodeItem]:
         return [encoder_pb2.EncodeItem(ref=common_pb2.MediaRef(mm_hash=f"h{i}", num_tokens=4)) for i in range(n)]
 
-    first = dispatcher.check_room(items(3))  # nothing queued: anything is admitted; 3 booked
-    assert first.items == {"e1": 3}
-    dispatcher.check_room(items(5))  # (3 + 5) x 100 ms = 0.8 s: within the budget
+    first = dispatcher.check_room(items(3))  # nothing queued: anything is admitted; 3 items of 4 tokens booked
+    assert first.tokens == {"e1": 12}
+    dispatcher.check_room(items(5))  # (3 + 5) x 4 x 25 ms = 0.8 s: within the budget
     with pytest.raises(RequestError) as info:
         dispatcher.check_room(items(3))  # (8 + 3) x 100 ms = 1.1 s
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and info.value.reason == "encoders_busy"
@@ -162,7 +162,7 @@ def test_the_router_counts_what_it_booked_since_the_encoders_heartbeat() -> None
     with pytest.raises(RequestError):
         dispatcher.check_room(items(4))  # (8 + 4) x 100 - 150 ms
     dispatcher.check_room(items(3))  # (8 + 3) x 100 - 150 ms
-    published.update(at=2.0, state={**published["state"], "queued_items": 3})  # its next heartbeat
+    published.update(at=2.0, state={**published["state"], "queued_tokens": 12})  # its next heartbeat
     asyncio.run(view.refresh())
     dispatcher.check_room(items(2))  # (3 + 2) x 100 ms: what it reports replaces what was booked
     with pytest.raises(RequestError):
@@ -172,13 +172,13 @@ def test_the_router_counts_what_it_booked_since_the_encoders_heartbeat() -> None
 
 
 def test_a_request_with_unknown_images_is_refused_before_it_is_prepared() -> None:
-    """With no encoder's room for one item, `precheck` refuses a request carrying an image this router never found
+    """With no encoder's room, `precheck` refuses a request carrying an image this router never found
     cached, from its bytes as sent (nothing decoded or hashed for the model); one whose image it found cached goes
     on to the real lookup, text goes on, and the same image sent by another tenant is another tenant's item."""
     from services.client import user_request
     from services.common.registry import Member
 
-    state = {"queued_items": 250, "item_ms": 100.0, "budget_ms": 20_000, "over_budget_ms": 5_000, "at": 1.0}
+    state = {"queued_tokens": 1000, "token_ms": 25.0, "budget_ms": 20_000, "over_budget_ms": 5_000, "at": 1.0}
 
     class Published(StaticRegistry):
         def members(self, role: str, revision: str | None = None) -> list[Member]:
@@ -197,7 +197,7 @@ def test_a_request_with_unknown_images_is_refused_before_it_is_prepared() -> Non
         with pytest.raises(RequestError) as info:
             dispatcher.precheck(media_sources(request, tenant))
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and info.value.reason == "encoders_busy"
-    state.update(queued_items=10, at=2.0)  # its next heartbeat: room again
+    state.update(queued_tokens=40, at=2.0)  # its next heartbeat: room again
     asyncio.run(view.refresh())
     dispatcher.precheck(media_sources(fresh, "t1"))
 
@@ -228,7 +228,7 @@ def test_the_call_to_the_encoder_this_router_booked_says_so(cache: EmbeddingCach
             server = await start_server("127.0.0.1", 0, [binding])
             servers.append(server)
             encoders[f"127.0.0.1:{server.port}"] = encoder
-        state = {"queued_items": 0, "item_ms": 100.0, "budget_ms": 1000, "over_budget_ms": 0}
+        state = {"queued_tokens": 0, "token_ms": 25.0, "budget_ms": 1000, "over_budget_ms": 0}
 
         class Published(StaticRegistry):
             def members(self, role: str, revision: str | None = None) -> list[Member]:
@@ -245,7 +245,7 @@ def test_the_call_to_the_encoder_this_router_booked_says_so(cache: EmbeddingCach
         ref = next(
             r
             for r in (common_pb2.MediaRef(mm_hash=uuid.uuid4().hex, num_tokens=4) for _ in range(100))
-            if dispatcher.check_room([encoder_pb2.EncodeItem(ref=r)]).items == {failing: 1}
+            if dispatcher.check_room([encoder_pb2.EncodeItem(ref=r)]).tokens == {failing: 4}
         )
         item = encoder_pb2.EncodeItem(ref=ref, data=b"image")
         booking = dispatcher.check_room([item])
@@ -260,3 +260,44 @@ def test_the_call_to_the_encoder_this_router_booked_says_so(cache: EmbeddingCach
 
     encoders = asyncio.run(go())
     assert [e.booked for e in encoders.values()] == [[True], [False]]  # the owner booked; the failover not
+
+
+def test_precheck_counts_the_requests_it_let_by_until_they_book() -> None:
+    """A burst's requests all pass `precheck` before any of them reaches `check_room` (their images are decoded,
+    hashed and looked up in between, hundreds of milliseconds in a burst): each one's unknown items count as pending
+    on the encoders, at the median tokens of the items booked last (none yet: nothing), so the burst is refused on
+    arrival once those would pass the budget, not at `check_room` after its intake; `check_room` replaces them with
+    the real booking, and `settle` gives back a request's that ended."""
+    from services.common.registry import Member
+
+    state = {"queued_tokens": 4, "token_ms": 25.0, "budget_ms": 850, "over_budget_ms": 0}
+
+    class Published(StaticRegistry):
+        def members(self, role: str, revision: str | None = None) -> list[Member]:
+            return [Member("encoder", "e1", "r", dict(state), time.time())] if role == "encoder" else []
+
+    view = ClusterView(Published(), "r")  # type: ignore[arg-type]
+    asyncio.run(view.refresh())
+    dispatcher = EncodeDispatcher(view, None, lambda _: None, [])  # type: ignore[arg-type, return-value]
+
+    def items(n: int) -> list[encoder_pb2.EncodeItem]:
+        return [encoder_pb2.EncodeItem(ref=common_pb2.MediaRef(mm_hash=f"h{i}", num_tokens=4)) for i in range(n)]
+
+    sources = [[f"s{r}-{i}" for i in range(3)] for r in range(4)]
+    assert dispatcher.precheck(sources[0]).tokens == 0  # no item booked yet: their size is not known
+    dispatcher.release(dispatcher.check_room(items(1)))  # one 4-token item booked (and given back)
+    first = dispatcher.precheck(sources[0])  # (4 + 3 x 4) x 25 ms
+    second = dispatcher.precheck(sources[1])  # (4 + 12 pending + 12) x 25 ms
+    with pytest.raises(RequestError) as info:
+        dispatcher.precheck(sources[2])  # (4 + 24 pending + 12) x 25 ms past 850: refused on arrival
+    assert info.value.reason == "encoders_busy"
+    dispatcher.settle(first)  # that request ended before booking (a bad prompt, say)
+    dispatcher.settle(first)  # idempotent
+    third = dispatcher.precheck(sources[2])  # (4 + 12 + 12) x 25 ms
+    dispatcher.check_room(items(2), second)  # one of its three found cached: two booked, its pending settled
+    assert (second.tokens, third.tokens) == (0, 12)
+    dispatcher.precheck([])  # nothing unknown: nothing counted, nothing refused
+    with pytest.raises(RequestError):
+        dispatcher.precheck(sources[3])  # (4 + 8 booked + 12 pending + 12) x 25 ms
+    dispatcher.settle(third)
+    assert dispatcher.precheck(sources[3]).tokens == 12  # (4 + 8 + 12) x 25 ms

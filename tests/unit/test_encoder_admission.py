@@ -50,7 +50,7 @@ def test_admission_is_all_or_nothing_and_gives_everything_back() -> None:
                 "batch_queue_tokens": 0,
                 "expected_wait_ms": 0,
                 "over_budget_ms": 0,
-                "item_ms": 50.0,  # the prior rate (nothing encoded yet), for the router's own estimate
+                "token_ms": round(50 / 256, 6),  # the prior rate (nothing encoded yet), for the router's estimate
                 "budget_ms": 60_000,
             }
 
@@ -66,7 +66,9 @@ def test_admission_queues_a_burst_within_the_time_budget_and_refuses_past_it() -
     async def go() -> None:
         with PreprocessPool(workers=2, max_queue=64) as pool:
             batcher = Batcher(_no_tower, max_tokens=100, max_wait_s=0.0)
-            admission = Admission(pool, batcher, token_cap=10_000, max_queue_s=1.0, rates=EncoderRates(item_s=0.05))
+            admission = Admission(
+                pool, batcher, token_cap=10_000, max_queue_s=1.0, rates=EncoderRates(item_s=0.05, item_tokens=4)
+            )
             tickets = [admission.admit([4]) for _ in range(16)]
             assert admission.snapshot().queued_items == 16 and admission.snapshot().expected_wait_ms == 800
             tickets.append(admission.admit([4, 4, 4, 4]))  # 20 items: 1.0 s, still within
@@ -98,7 +100,9 @@ def test_a_booked_request_is_judged_by_the_ceilings_and_its_deadline_not_the_tim
     async def go() -> None:
         with PreprocessPool(workers=1, max_queue=24) as pool:
             batcher = Batcher(_no_tower, max_tokens=100, max_wait_s=0.0)
-            admission = Admission(pool, batcher, token_cap=10_000, max_queue_s=1.0, rates=EncoderRates(item_s=0.05))
+            admission = Admission(
+                pool, batcher, token_cap=10_000, max_queue_s=1.0, rates=EncoderRates(item_s=0.05, item_tokens=4)
+            )
             tickets = [admission.admit([4] * 20)]  # 1.0 s: the budget is full
             with pytest.raises(Overloaded, match="budget 1.00s"):
                 admission.admit([4])
@@ -117,47 +121,71 @@ def test_a_booked_request_is_judged_by_the_ceilings_and_its_deadline_not_the_tim
     run(go())
 
 
-def test_encoder_rates_count_busy_time_per_encoded_item() -> None:
-    rates = EncoderRates(item_s=0.05, span_s=0.45, prior=2)
+def test_encoder_rates_count_busy_time_per_encoded_token() -> None:
+    rates = EncoderRates(item_s=0.05, item_tokens=10, span_s=0.45, prior=2)
     rates.started(10.0, in_encoder_before=0)
     rates.started(10.0, in_encoder_before=1)  # a burst: the encoder was busy already
-    assert rates.item_s(10.0) == pytest.approx(0.05)
-    assert rates.item_s(10.3) == pytest.approx((0.1 + 0.3) / 3)  # no completion for 0.3 s: the rate rises
-    rates.finished(10.4, in_encoder_after=2, encoded=True)  # the first carries the burst's wait
-    rates.finished(10.4, in_encoder_after=1, encoded=True)  # finished with it: no busy time of its own
-    assert rates.item_s(10.4) == pytest.approx((0.1 + 0.4 + 0.0) / 4)
-    rates.finished(10.5, in_encoder_after=0, encoded=False)  # a cache hit: no sample; the encoder is idle
-    assert rates.item_s(50.0) == rates.item_s(10.4)  # idle: time passing says nothing
+    assert rates.token_s(10.0) == pytest.approx(0.005)
+    assert rates.token_s(10.3) == pytest.approx((0.1 + 0.3) / 30)  # no completion for 0.3 s: the rate rises
+    assert rates.token_s(10.3, completing=100) == pytest.approx(0.005)  # unless a large batch is in the tower
+    rates.finished(10.4, in_encoder_after=2, tokens=10, encoded=True)  # the first carries the burst's wait
+    rates.finished(10.4, in_encoder_after=1, tokens=30, encoded=True)  # finished with it: no busy time of its own
+    assert rates.token_s(10.4) == pytest.approx((0.1 + 0.4 + 0.0) / 60)
+    rates.finished(10.5, in_encoder_after=0, tokens=10, encoded=False)  # a cache hit: no sample; idle now
+    assert rates.token_s(50.0) == rates.token_s(10.4)  # idle: time passing says nothing
     rates.started(99.0, in_encoder_before=0)  # idle time never counts
-    rates.finished(99.1, in_encoder_after=0, encoded=True)
-    assert rates.item_s(99.1) == pytest.approx((0.4 + 0.0 + 0.1) / 3)  # the prior left: the rest cover 0.45 s
-    assert rates.drain_s(3, 99.1) == pytest.approx(3 * rates.item_s(99.1))
+    rates.finished(99.1, in_encoder_after=0, tokens=20, encoded=True)
+    assert rates.token_s(99.1) == pytest.approx((0.4 + 0.0 + 0.1) / 60)  # the prior left: the rest cover 0.45 s
+    assert rates.drain_s(3, 99.1) == pytest.approx(3 * rates.token_s(99.1))
+    rates.started(200.0, in_encoder_before=0)
+    rates.finished(215.7, in_encoder_after=1, tokens=96, encoded=True, sample=False)  # a video's decode: no sample
+    rates.finished(215.8, in_encoder_after=0, tokens=20, encoded=True)  # the image after it: its own 0.1 s only
+    assert rates.token_s(215.8) == pytest.approx((0.4 + 0.0 + 0.1 + 0.1) / 80)  # not (... + 15.7 + 0.1) / 176
 
 
 def test_a_batch_finishing_at_once_keeps_its_call_in_the_rate() -> None:
     """A tower call that ends 64 items together gives one long sample and 63 of zero: the window, by busy time,
-    keeps the long one with them, so the rate is the call's time per item, not the zeros' (a window counted in
+    keeps the long one with them, so the rate is the call's time per token, not the zeros' (a window counted in
     items once read 0.05 ms an item here and admitted a flood)."""
-    rates = EncoderRates(item_s=0.05, span_s=2.0, prior=8)
+    rates = EncoderRates(item_s=0.05, item_tokens=10, span_s=2.0, prior=8)
     for call in range(3):
         start = 10.0 + 3.2 * call
         rates.started(start, in_encoder_before=0)
         for item in range(64):
-            rates.finished(start + 3.2, in_encoder_after=63 - item, encoded=True)
-    assert rates.item_s(20.0) == pytest.approx(3.2 / 64)
+            rates.finished(start + 3.2, in_encoder_after=63 - item, tokens=10, encoded=True)
+    assert rates.token_s(20.0) == pytest.approx(3.2 / 640)
+
+
+def test_small_images_are_priced_by_their_tokens_after_large_items() -> None:
+    """The drain rate is per encoder token, so items much larger than a burst's (a video, many frames) set a rate
+    at which the burst's small images are still admitted in proportion to their size: a per-item rate learned from
+    the large ones refused eight 200x200 images in a 20 s budget once the host was loaded."""
+
+    async def go() -> None:
+        with PreprocessPool(workers=1, max_queue=64) as pool:
+            batcher = Batcher(_no_tower, max_tokens=100, max_wait_s=0.0)
+            rates = EncoderRates(item_s=6.0, item_tokens=3000, prior=1)  # learned from a video: 6 s, 3,000 tokens
+            admission = Admission(pool, batcher, token_cap=100_000, max_queue_s=20.0, rates=rates)
+            held = admission.admit([3000])  # another video: 6 s queued
+            small = [admission.admit([49]) for _ in range(8)]  # 8 x 49 tokens: 0.8 s more (48 s at 6 s an item)
+            assert admission.snapshot().queued_items == 9
+            for ticket in (held, *small):
+                ticket.finish(0)
+
+    run(go())
 
 
 def test_encoded_items_teach_admission_its_rate() -> None:
     async def go() -> None:
         with PreprocessPool(workers=1, max_queue=8) as pool:
             batcher = Batcher(_no_tower, max_tokens=100, max_wait_s=0.0)
-            rates = EncoderRates(item_s=99.0, span_s=1.0, prior=1)
+            rates = EncoderRates(item_s=99.0, item_tokens=4, span_s=1.0, prior=1)
             admission = Admission(pool, batcher, token_cap=1000, max_queue_s=60.0, rates=rates)
             ticket = admission.admit([4, 4])
             ticket.finish(0)  # a cache hit or a failure: says nothing about the rate
-            assert rates.item_s(0.0) == 99.0  # nothing in the encoder: not busy, so time does not count
+            assert rates.token_s(0.0) == 99.0 / 4  # nothing in the encoder: not busy, so time does not count
             ticket.finish(1, encoded=True)
-            assert rates.item_s(0.0) < 99.0  # the encoded item's own (short) busy time joined the window
+            assert rates.token_s(0.0) < 99.0 / 4  # the encoded item's own (short) busy time joined the window
 
     run(go())
 
