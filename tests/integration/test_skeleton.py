@@ -355,4 +355,11 @@ def test_a_relay_carries_its_requests_tokens_batched_per_step(cluster: Cluster) 
     deadline = time.monotonic() + 5  # the abort reaches the engine thread a moment after the status
     while metric_value(worker.metrics_port, "epd_kv_cache_reserved_blocks") and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert metric_value(worker.metrics_port, "epd_kv_cache_reserved_blocks") == 0
+    left = metric_value(worker.metrics_port, "epd_kv_cache_reserved_blocks")
+    if left:  # seen twice in CI (253: the 4,000-token request's); after one more request, a stale snapshot is fresh
+        with grpc.insecure_channel(worker.address) as channel:
+            list(worker_pb2_grpc.WorkerStub(channel).Generate(_text_request(adapter, "probe", PROMPT), timeout=60))
+        after = metric_value(worker.metrics_port, "epd_kv_cache_reserved_blocks")
+        running = metric_value(worker.metrics_port, "epd_num_requests_running")
+        raise AssertionError(f"{left} blocks reserved 5 s after the relay closed; after one more request {after}, "
+                             f"{running} running")  # fmt: skip
