@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ import redis
 from services.common.tls import client_from_env
 from services.launch import forkserver
 from services.launch.health import check
+from services.launch.ports import free_port
 
 ROUTER_PORT, ENCODER_PORT, WORKER_PORT, METRICS_PORT, HTTP_PORT = 50051, 50061, 50071, 9400, 8000
 
@@ -47,12 +47,6 @@ def set_start_method(method: StartMethod) -> None:
     if method not in ("exec", "forkserver"):
         raise ValueError(f"start method must be 'exec' or 'forkserver', got {method!r}")
     _start_method, _fork_env = method, dict(os.environ)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ import ctypes
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.launch.ports import free_port
 
 _PR_SET_PDEATHSIG = 1
 
@@ -41,13 +42,6 @@ def epd_command() -> list[str]:
     if found:
         return [found]
     return [sys.executable, "-c", "import sys; from services.cli import main; sys.exit(main())"]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on this machine right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def descendants(pid: int) -> list[int]:
