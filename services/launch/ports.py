@@ -4,8 +4,8 @@ Why not ``bind(0)``: the kernel answers with a port of its ephemeral range, the 
 takes its local port from, so between choosing a port and the service binding it (seconds: a service imports
 torch first) a connection to Redis or to another service could take it; and a port just closed can be answered
 again, so two services of one plan could get the same one. Both were seen as ``Address already in use`` at a
-test cluster's start. Ports here come from just below that range, at random, each checked bindable and never
-returned twice by this process.
+test cluster's start. Ports here come from just below that range (above Ray's worker ports), at random, each
+checked bindable and never returned twice by this process.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import random
 import socket
 
 SPAN = 16_000
-"""How many ports below the ephemeral range are drawn from."""
+"""How many ports below the ephemeral range are drawn from (never below `FLOOR`)."""
+FLOOR = 20_000
+"""Ray's worker processes take ports 10002-19999 by default (tests/deploy start a Ray cluster): never drawn."""
 
 _handed_out: set[int] = set()
 
@@ -31,8 +33,8 @@ def ephemeral_low() -> int:
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` now that this process has not handed out before (see the module docstring)."""
     high = ephemeral_low()
-    low = max(1024, high - SPAN)
-    for _ in range(1000):
+    low = max(FLOOR, high - SPAN)
+    for _ in range(1000 if low < high else 0):
         port = random.randrange(low, high)
         if port not in _handed_out and _bindable(host, port):
             _handed_out.add(port)

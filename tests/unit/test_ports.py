@@ -13,17 +13,18 @@ from services.launch.ports import ephemeral_low, free_port
 def test_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:
     """A cluster's plan draws a port per service: none may repeat (a port just closed is free again, and the
     kernel's ``bind(0)`` may answer it twice) and none may lie where outgoing connections take theirs."""
-    ports = [free_port() for _ in range(300)]
-    assert len(set(ports)) == len(ports)
-    assert all(1024 <= port < ephemeral_low() for port in ports)
+    drawn = [free_port() for _ in range(300)]
+    assert len(set(drawn)) == len(drawn)
+    assert all(ports.FLOOR <= port < ephemeral_low() for port in drawn)  # nor among Ray's worker ports
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", ports[-1]))  # still free: nothing holds what was handed out
+        sock.bind(("127.0.0.1", drawn[-1]))  # still free: nothing holds what was handed out
 
 
 def test_a_port_in_use_is_skipped_and_a_spent_range_falls_back_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """With a range of 8 ports, one held by a listener: every other free one comes out once, never the held one,
     and then the kernel's choice (from the ephemeral range), still never a repeat."""
     monkeypatch.setattr(ports, "SPAN", 8)
+    monkeypatch.setattr(ports, "FLOOR", 1024)
     low = ephemeral_low()
     window = range(low - 8, low)
     before = set(ports._handed_out)
