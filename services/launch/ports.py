@@ -3,9 +3,9 @@
 Why not ``bind(0)``: the kernel answers with a port of its ephemeral range, the range every outgoing connection
 takes its local port from, so between choosing a port and the service binding it (seconds: a service imports
 torch first) a connection to Redis or to another service could take it; and a port just closed can be answered
-again, so two services of one plan could get the same one. Both were seen as ``Address already in use`` at a
-test cluster's start. Ports here come from just below that range (above Ray's worker ports), at random, each
-checked bindable and never returned twice by this process.
+again, so two services of one plan could get the same one. A CI run lost a test cluster to ``Address already in
+use`` at an encoder's metrics port (which of the two, its log does not say). Ports here come from just below
+that range (above Ray's worker ports), at random, each checked bindable and never returned twice by this process.
 """
 
 from __future__ import annotations
