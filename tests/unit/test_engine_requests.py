@@ -59,6 +59,31 @@ def test_prefix_cache_reuse_and_isolation(loaded: tuple[Any, Any], tiny_model_di
     assert run_one(engine, first, "e").cached_tokens > 0
 
 
+def test_a_prefix_hits_last_chunk_goes_through_the_decode_kernel_and_equals_generate(
+    loaded: tuple[Any, Any], tiny_model_dir: Path
+) -> None:
+    """The uncached tail of a prefix-cache hit (under a block after the image) runs as kernel rows, one per
+    token, each over its own context length, and the tokens still equal `generate`'s."""
+    adapter, model = loaded
+    prompt = build_prompt(adapter, model, [LONG, image(448, 448, 13), "what is shown here, and why?"])  # 6 past a block
+    engine = make_engine(loaded, attention_backend="cpu-kernel")
+    run_one(engine, prompt, "first")
+    kernel = engine.runner.backend.decode_kernel
+    chunks: list[list[int]] = []  # each call's context lengths where it had several rows
+
+    def spy(q, keys, values, tables, lengths, scale):  # noqa: ANN001, ANN202
+        if lengths.numel() > 1:
+            chunks.append(lengths.tolist())
+        return kernel(q, keys, values, tables, lengths, scale)
+
+    engine.runner.backend.decode_kernel = spy
+    hit = run_one(engine, prompt, "again")
+    tail = len(prompt.token_ids) - hit.cached_tokens
+    assert 1 < tail <= engine.config.block_size
+    assert chunks and all(c == list(range(hit.cached_tokens + 1, hit.cached_tokens + tail + 1)) for c in chunks)
+    assert hit.tokens == reference(tiny_model_dir, prompt, GREEDY.max_tokens)
+
+
 def test_half_aborted_at_random_points_return_everything(loaded: tuple[Any, Any]) -> None:
     adapter, model = loaded
     rng = random.Random(7)

@@ -3,7 +3,8 @@
 Decodes go in padded groups, one SDPA call per group over its gathered blocks with an additive mask;
 a multi-token chunk is one SDPA call, plain causal when nothing was cached before it, else over its
 gathered context with a bottom-right causal mask. KV head-major (`kv_cache.HEAD_MAJOR`). Runs anywhere
-torch runs; the `cpu-kernel` backend (cpu_kernel.py) is this one with decodes through the compiled kernel.
+torch runs; the `cpu-kernel` backend (cpu_kernel.py) is this one with decodes, and short chunks after a cached
+context, through the compiled kernel.
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ class ChunkSpan:
     """A multi-token chunk: rows ``[query_start, query_start + query_len)``; its context in blocks.
 
     ``block_ids`` is None when nothing is cached before the chunk (its own K/V is the context; plain
-    causal); otherwise ``mask [query_len, context_len]`` (additive: 0 or -inf) is bottom-right causal.
+    causal); otherwise ``mask [query_len, context_len]`` (additive: 0 or -inf) is bottom-right causal. In the
+    decode kernel's form (``lengths`` set, no mask) each query row is a decode of its own: ``block_ids`` holds
+    the chunk's blocks once per row (``[query_len * blocks]``) and ``lengths [query_len]`` each row's context
+    (its own token the last).
     """
 
     query_start: int
@@ -32,6 +36,7 @@ class ChunkSpan:
     context_len: int
     block_ids: torch.Tensor | None
     mask: torch.Tensor | None
+    lengths: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +60,9 @@ class SdpaBackend:
     supports_graphs = False
     group_cost = GROUP_COST_BLOCKS
     decode_kernel: DecodeKernel | None = None
+    kernel_chunk_work = 0
+    """Chunks after a cached context whose query x context length is at most this go through ``decode_kernel``,
+    a row each."""
 
     def __init__(self, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
         self.block_size = block_size
@@ -87,6 +95,11 @@ class SdpaBackend:
                 continue
             block_ids = packed[c.blocks_at : c.blocks_at + c.num_blocks]
             first = c.context_len - c.query_len  # the chunk's first token's index in its context
+            if c.query_len * c.context_len <= self.kernel_chunk_work:
+                lengths = span[first + 1 : c.context_len + 1]
+                spans.append(ChunkSpan(c.query_start, c.query_len, c.context_len, block_ids.repeat(c.query_len),
+                                       None, lengths))  # fmt: skip
+                continue
             inside = span[: c.context_len][None, :] <= span[first : c.context_len][:, None]
             spans.append(ChunkSpan(c.query_start, c.query_len, c.context_len, block_ids, self._additive(inside)))
         slots = packed[n : 2 * n]
@@ -150,6 +163,11 @@ class GatheredContext:
             row += group.num_rows
         for chunk in self.chunks:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            if chunk.lengths is not None:  # each row a decode: the kernel reads the blocks in place
+                parts.append(
+                    self.decode_kernel(query[:, rows], k_cache, v_cache, chunk.block_ids, chunk.lengths, scaling)
+                )
+                continue
             if chunk.block_ids is None:  # nothing cached before it: this step's K/V is the context
                 keys, values = key[:, rows], value[:, rows]
             else:
