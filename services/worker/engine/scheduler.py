@@ -114,9 +114,14 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             computed, num_tokens = seq.num_computed_tokens, len(seq.token_ids)
-            if num_tokens - computed == 1 and seq.grammar is None and not seq.media:
-                # a plain decode (the common row): nothing can block its one token, and its last block
-                # mostly has room; what _num_new_tokens, _make_room and allocate would find, without the calls
+            if (
+                num_tokens - computed == 1
+                and seq.grammar is None
+                and (computed >= seq.num_prompt_tokens or not seq.media)
+            ):
+                # a plain decode (the common row; a generated token is never media): nothing can block its one
+                # token, and its last block mostly has room; what _num_new_tokens, _make_room and allocate would
+                # find, without the calls
                 if len(seq.block_table) * size <= computed:
                     if not self._make_room(seq, num_tokens, out):
                         continue

@@ -83,7 +83,7 @@ def build_step_input(
     size = block_size
     for chunk in decodes:
         seq, i = chunk.seq, chunk.start
-        if seq.media:
+        if seq.media and i < seq.num_prompt_tokens:  # a generated token is never media
             placed.extend(_placed_rows(seq, i, i + 1, len(ids), embeddings))
         ids.append(seq.token_ids[i])
         slots.append(seq.block_table[i // size] * size + i % size)
