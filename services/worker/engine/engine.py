@@ -204,7 +204,10 @@ class Engine:
             else:
                 self._stalled = True
             return failed
-        self.structured.prefetch([c.seq.grammar for c in scheduled.chunks if c.samples and c.seq.grammar is not None])
+        if self.structured.beside:  # the grammar thread fills the step's masks beside the forward
+            self.structured.prefetch(
+                [c.seq.grammar for c in scheduled.chunks if c.samples and c.seq.grammar is not None]
+            )
         run = self.runner.run(scheduled.chunks, self.embeddings)
         seqs = [c.seq for c in run.sampled]
         sampled, mask = [], None

@@ -116,12 +116,12 @@ class Scheduler:
             computed, num_tokens = seq.num_computed_tokens, len(seq.token_ids)
             if (
                 num_tokens - computed == 1
-                and seq.grammar is None
+                and (seq.grammar is None or seq.grammar.ready)
                 and (computed >= seq.num_prompt_tokens or not seq.media)
             ):
-                # a plain decode (the common row; a generated token is never media): nothing can block its one
-                # token, and its last block mostly has room; what _num_new_tokens, _make_room and allocate would
-                # find, without the calls
+                # a plain decode (the common row; a generated token is never media, a started grammar never
+                # waits): nothing can block its one token, and its last block mostly has room; what
+                # _num_new_tokens, _make_room and allocate would find, without the calls
                 if len(seq.block_table) * size <= computed:
                     if not self._make_room(seq, num_tokens, out):
                         continue

@@ -187,8 +187,9 @@ class StructuredOutputs:
     def prefetch(self, states: list[GrammarState]) -> None:
         """Queue the fill of ``states``' bitmask rows on the grammar thread: the constrained sequences that sample
         in the step about to run (any order), before its forward pass, which the fill then runs beside; nothing
-        when the fill queued with the last accepts covers them all."""
-        if not states:
+        when the fill queued with the last accepts covers them all, or without ``beside`` (a fill now would run
+        where ``step_mask``'s does, at the same cost)."""
+        if not states or not self.beside:
             return
         if self._pending is not None:
             filled = {id(state) for state in self._pending[0]}
