@@ -132,7 +132,9 @@ class ChunkWriter:
             if self.tools:
                 text, calls = self._calls.setdefault(chunk.index, ToolCallStream()).feed(text)
             out = []
-            if text or (self.logprobs and chunk.logprobs):  # else its text is held back (a stop string, ...)
+            # a token whose text is held back (an unfinished character, a possible stop string) still gets its
+            # chunk, with no content, as vLLM sends it (a client times each token); not while a tool call is read
+            if text or (self.logprobs and chunk.logprobs) or (chunk.token_ids and not self.tools):
                 logprobs = {"content": [logprob_entry(e) for e in chunk.logprobs]} if self.logprobs else None
                 out.append(self._chunk(chunk.index, {"content": text}, logprobs))
             return out + [self._call_chunk(chunk.index, call) for call in calls]
@@ -248,8 +250,8 @@ class TextChunkWriter:
         if response.HasField("chunk"):
             chunk = response.chunk
             self.usage.take(chunk)
-            if not chunk.text and not (self.logprobs and chunk.logprobs):
-                return []
+            if not chunk.text and not chunk.token_ids and not (self.logprobs and chunk.logprobs):
+                return []  # a token whose text is held back still gets its chunk, as in chat
             logprobs = None
             if self.logprobs:
                 offset = self.offsets.get(chunk.index, 0)
