@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import faulthandler
 import os
 import shutil
 import signal
@@ -51,7 +52,9 @@ PORT_NAMES = {
 
 
 def up(args: argparse.Namespace) -> int:
-    """`epd up`: start, report, wait for Ctrl-C (or SIGTERM), stop."""
+    """`epd up`: start, report, wait for Ctrl-C (or SIGTERM), stop. `kill -USR1` prints where each of its threads
+    is to stderr (a start-up or stop that seems stuck)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.ray:
         if args.prefill_workers:
             raise usage_error("--prefill-workers is not built for --ray", "drop --ray to run a prefill pool locally")

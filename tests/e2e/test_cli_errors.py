@@ -214,7 +214,14 @@ def test_ctrl_c_during_start_up_stops_everything(tiny_model_dir: Path, redis_ser
     while len(services := psutil.Process(up.pid).children()) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
     up.send_signal(signal.SIGINT)
-    out, err = up.communicate(timeout=60)
+    try:
+        out, err = up.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # seen once in CI, never since: where its threads were, for the next time
+        up.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        up.kill()
+        out, err = up.communicate()
+        pytest.fail(f"epd up still ran 60 s after Ctrl-C; stdout:\n{out}\nits threads (SIGUSR1):\n{err[-6000:]}")
     assert up.returncode == 130 and err == "epd: error: interrupted\n", (up.returncode, err)
     assert "ready:" not in out, "interrupted before any service was ready"
     log_dir = Path(first.split("logs in ", 1)[1].split()[0])

@@ -184,7 +184,8 @@ def test_text_completion_objects() -> None:
 
 def test_continuous_usage_counts_every_streamed_token() -> None:
     """vLLM's `continuous_usage_stats`: each chunk carries the usage so far, tokens whose text is held back
-    included (the prompt's count comes on the first chunk); without it, `usage: null` until the last chunk."""
+    included, in their own empty chunk (the prompt's count comes on the first chunk); without it, `usage: null`
+    until the last chunk."""
     chunks = [
         generation_pb2.GenerateResponse(chunk=generation_pb2.Chunk(token_ids=[1], text="He", prompt_tokens=7)),
         generation_pb2.GenerateResponse(chunk=generation_pb2.Chunk(token_ids=[2, 3], text="")),  # held back
@@ -201,9 +202,13 @@ def test_continuous_usage_counts_every_streamed_token() -> None:
     assert request.continuous_usage
     writer = ChunkWriter(envelope, 1, StreamUsage(request.include_usage, request.continuous_usage))
     usages = [c["usage"] for response in chunks for c in writer.add(response)]
-    assert [(u["prompt_tokens"], u["completion_tokens"], u["total_tokens"]) for u in usages] == [(7, 1, 8), (7, 4, 11)]
+    assert [(u["prompt_tokens"], u["completion_tokens"], u["total_tokens"]) for u in usages] == [
+        (7, 1, 8),
+        (7, 3, 10),
+        (7, 4, 11),
+    ]
     plain = ChunkWriter(envelope, 1, StreamUsage(include=True))
-    assert [c["usage"] for response in chunks for c in plain.add(response)] == [None, None]
+    assert [c["usage"] for response in chunks for c in plain.add(response)] == [None, None, None]
 
 
 def test_openapi_document_states_the_request_models() -> None:
