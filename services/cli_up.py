@@ -59,11 +59,11 @@ def up(args: argparse.Namespace) -> int:
         if args.prefill_workers:
             raise usage_error("--prefill-workers is not built for --ray", "drop --ray to run a prefill pool locally")
         return _up_ray(args)
-    with _sigterm_as_interrupt(), running_cluster(args) as cluster:
+    with _interrupts() as interrupted, running_cluster(args, interrupted) as cluster:
         print(f'router (gRPC Generate) at {cluster.address}. Try: epd generate --image FILE "describe"')
         print("A service that exits is restarted. Ctrl-C stops everything.", flush=True)
         with Supervisor(cluster.processes, report=lambda line: print(line, flush=True)):
-            wait_for_stop_signal()
+            wait_for_stop_signal(interrupted)
     return 0
 
 
@@ -72,7 +72,7 @@ def demo(args: argparse.Namespace) -> int:
     from services.cli_request import print_answer, rpc_errors
     from services.client import Client, user_request
 
-    with _sigterm_as_interrupt(), running_cluster(args) as cluster:
+    with _interrupts() as interrupted, running_cluster(args, interrupted) as cluster:
         print(f'request: one 448x336 PNG + "Describe this image." to {cluster.address}')
         request = user_request("Describe this image.", [demo_image()], max_tokens=args.max_tokens)
         with Client(cluster.address) as client, rpc_errors(cluster.address, 120.0):
@@ -80,8 +80,9 @@ def demo(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def running_cluster(args: argparse.Namespace) -> Iterator[local.LocalCluster]:
-    """Check, start (logs in a temporary folder), yield the healthy cluster; stop it and remove the logs after."""
+def running_cluster(args: argparse.Namespace, interrupted: threading.Event) -> Iterator[local.LocalCluster]:
+    """Check, start (logs in a temporary folder), yield the healthy cluster; stop it and remove the logs after.
+    ``interrupted`` (``_interrupts``) set ends start-up at the next service that becomes ready."""
     spec = checked_spec(args)
     with _log_folder() as log_dir:
         spec = dataclasses.replace(spec, log_dir=log_dir)
@@ -96,7 +97,7 @@ def running_cluster(args: argparse.Namespace) -> Iterator[local.LocalCluster]:
             f"logs in {log_dir} (removed when epd exits)",
             flush=True,
         )
-        cluster = _start(spec, args.startup_timeout)
+        cluster = _start(spec, args.startup_timeout, interrupted)
         try:
             yield cluster
         finally:
@@ -165,10 +166,16 @@ def tiny_model(path: Path, family: str = "qwen2-vl") -> Path:
     return path
 
 
-def _start(spec: local.ClusterSpec, timeout_s: float) -> local.LocalCluster:
+def _start(spec: local.ClusterSpec, timeout_s: float, interrupted: threading.Event) -> local.LocalCluster:
     plan_http = local.plan_ports(spec).http
+
+    def on_ready(process: local.Process) -> None:
+        if interrupted.is_set():  # a Ctrl-C whose KeyboardInterrupt was dropped on the way (see _interrupts)
+            raise KeyboardInterrupt
+        print(ready_line(process, plan_http), flush=True)
+
     try:
-        return local.start_cluster(spec, timeout_s, on_ready=lambda p: print(ready_line(p, plan_http), flush=True))
+        return local.start_cluster(spec, timeout_s, on_ready=on_ready)
     except local.ClusterStartError as exc:
         raise _start_failure(exc) from None
     except RuntimeError as exc:  # ensure_redis: redis-server started but silent
@@ -285,9 +292,10 @@ def _ray_port_spec(args: argparse.Namespace) -> local.ClusterSpec:
     )
 
 
-def wait_for_stop_signal() -> None:
-    """Block until SIGINT or SIGTERM (both handled, so neither kills us before cleanup)."""
-    stopped = threading.Event()
+def wait_for_stop_signal(stopped: threading.Event | None = None) -> None:
+    """Block until SIGINT or SIGTERM (both handled, so neither kills us before cleanup), or at once when
+    ``stopped`` is already set."""
+    stopped = threading.Event() if stopped is None else stopped
     previous = {sig: signal.signal(sig, lambda *_: stopped.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         while not stopped.wait(0.5):
@@ -298,13 +306,23 @@ def wait_for_stop_signal() -> None:
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt (as Ctrl-C does), so start-up is unwound and cleaned up either way."""
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+def _interrupts() -> Iterator[threading.Event]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt, so start-up is unwound and cleaned up either way, and set the
+    event yielded: Python drops an exception raised inside a finalizer, and a gRPC channel's `__del__` swallows
+    everything with a bare `except` (a health check's channel is collected every poll of start-up), so a Ctrl-C
+    raised there is still seen at the next check of the event."""
+    interrupted = threading.Event()
+
+    def interrupt(signum: int, frame: object) -> None:
+        interrupted.set()
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        yield interrupted
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @contextlib.contextmanager

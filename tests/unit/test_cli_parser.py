@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from services import cli_up
 from services.cli import _parser, main
 from services.cli_errors import FAILURE, USAGE, UserError, one_line
 from services.cli_request import build_request, read_image, read_video
@@ -276,3 +280,20 @@ def _run_cli_noting_torch(args: list[str]) -> subprocess.CompletedProcess:
         f"sys.exit(main({args!r}))\n"
     )
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_a_ctrl_c_whose_interrupt_is_swallowed_during_start_up_is_still_seen() -> None:
+    """`epd up`'s start-up handler raises KeyboardInterrupt and remembers the signal: a gRPC channel's `__del__`
+    silences every exception with a bare `except`, and a Ctrl-C raised there must still end start-up (at the next
+    service ready) and the wait for a stop at once."""
+    with cli_up._interrupts() as interrupted:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1.0)  # the handler runs here
+        except BaseException:  # noqa: BLE001 - what grpc's Channel.__del__ does
+            pass
+        assert interrupted.is_set()
+        started = time.monotonic()
+        cli_up.wait_for_stop_signal(interrupted)
+        assert time.monotonic() - started < 0.5
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
