@@ -308,9 +308,10 @@ def wait_for_stop_signal(stopped: threading.Event | None = None) -> None:
 @contextlib.contextmanager
 def _interrupts() -> Iterator[threading.Event]:
     """SIGINT and SIGTERM raise KeyboardInterrupt, so start-up is unwound and cleaned up either way, and set the
-    event yielded: Python drops an exception raised inside a finalizer, and a gRPC channel's `__del__` swallows
-    everything with a bare `except` (a health check's channel is collected every poll of start-up), so a Ctrl-C
-    raised there is still seen at the next check of the event."""
+    event yielded. Installed whatever was there: a background job of a non-interactive shell inherits SIGINT
+    ignored, which Python keeps, so Ctrl-C (`kill -INT`) was ignored during start-up and honoured after it. The
+    event covers an interrupt raised where it is silenced: grpc's `Channel.__del__` wraps its work in a bare
+    `except`, and a health check's channel is collected at every poll of start-up."""
     interrupted = threading.Event()
 
     def interrupt(signum: int, frame: object) -> None:

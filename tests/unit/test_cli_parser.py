@@ -298,3 +298,15 @@ def test_a_ctrl_c_whose_interrupt_is_swallowed_during_start_up_is_still_seen() -
         cli_up.wait_for_stop_signal(interrupted)
         assert time.monotonic() - started < 0.5
     assert signal.getsignal(signal.SIGINT) is before  # restored
+
+
+def test_start_up_honours_a_ctrl_c_even_when_it_inherited_sigint_ignored() -> None:
+    """A background job of a non-interactive shell starts with SIGINT ignored (as CI's runner may start the
+    suite): `epd up` installs its own handler, so `kill -INT` still ends start-up, as it ends the wait after it."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with pytest.raises(KeyboardInterrupt), cli_up._interrupts():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1.0)
+    finally:
+        signal.signal(signal.SIGINT, before)
