@@ -52,8 +52,7 @@ PORT_NAMES = {
 
 
 def up(args: argparse.Namespace) -> int:
-    """`epd up`: start, report, wait for Ctrl-C (or SIGTERM), stop. `kill -USR1` prints where each of its threads
-    is to stderr (a start-up or stop that seems stuck)."""
+    """`epd up`: start, report, wait for Ctrl-C (or SIGTERM), stop; `kill -USR1` prints its threads' stacks."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.ray:
         if args.prefill_workers:
@@ -293,8 +292,7 @@ def _ray_port_spec(args: argparse.Namespace) -> local.ClusterSpec:
 
 
 def wait_for_stop_signal(stopped: threading.Event | None = None) -> None:
-    """Block until SIGINT or SIGTERM (both handled, so neither kills us before cleanup), or at once when
-    ``stopped`` is already set."""
+    """Block until SIGINT or SIGTERM (handled: neither kills us before cleanup), at once if ``stopped`` is set."""
     stopped = threading.Event() if stopped is None else stopped
     previous = {sig: signal.signal(sig, lambda *_: stopped.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
