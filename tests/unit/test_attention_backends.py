@@ -182,3 +182,23 @@ def test_graph_modes() -> None:
         resolve_graph_mode("on", CPU, "flash-reference", "default")
     with pytest.raises(ValueError, match="varlen attention backend"):
         resolve_graph_mode("eager", CPU, "sdpa", "default")
+
+
+@pytest.mark.parametrize("context_len", [1023, 1024, 1025])
+def test_a_short_chunk_in_the_kernels_form_has_a_length_per_row_at_any_context(context_len: int) -> None:
+    """cpu-kernel lays a short chunk after a cached context out as one decode row per token, the last row's
+    context its whole context, also where that length is exactly the backend's reused arange (1,024)."""
+    from types import SimpleNamespace
+
+    from services.worker.engine.attention.cpu_kernel import CpuKernelBackend
+    from services.worker.engine.attention.gathered_layout import ChunkRows, GatheredLayout
+
+    size, rows = 16, 8
+    blocks = -(-context_len // size)
+    backend = CpuKernelBackend(size, torch.device("cpu"), torch.float32, kernel=None)  # type: ignore[arg-type]
+    layout = GatheredLayout(chunks=[ChunkRows(0, rows, context_len, 2 * rows, blocks)])
+    packed = torch.arange(2 * rows + blocks, dtype=torch.int64)
+    kv = SimpleNamespace(keys=[torch.zeros(1, blocks, 64, size)], layout="head-major")
+    [chunk] = backend.context(SimpleNamespace(layout=layout, num_tokens=rows), packed, kv).chunks  # type: ignore[arg-type]
+    assert chunk.lengths is not None and chunk.lengths.tolist() == list(range(context_len - rows + 1, context_len + 1))
+    assert chunk.block_ids.tolist() == list(range(2 * rows, 2 * rows + blocks)) * rows

@@ -79,7 +79,8 @@ class SdpaBackend:
         """Decode groups and chunk spans as views of ``packed``; masks built once for all layers."""
         layout: GatheredLayout = step.layout
         size, n = self.block_size, step.num_tokens
-        span = self._span(max([g.width * size for g in layout.decodes] + [c.context_len for c in layout.chunks] + [1]))
+        # one past the longest context: a chunk in the kernel's form reads lengths up to context_len inclusive
+        span = self._span(max([g.width * size for g in layout.decodes] + [c.context_len + 1 for c in layout.chunks]))
         groups = []
         for g in layout.decodes:
             block_ids = packed[g.table_at : g.table_at + g.num_rows * g.width]
