@@ -22,13 +22,19 @@ Invariants:
   burst as tower batches complete, and a second judgement by a newer rate would refuse requests
   that already hold a worker's blocks, slowly. With several routers the budget can be passed by
   what the others booked within one heartbeat.
+- An item waiting for another encoder's embedding (`Ticket.waiting_for_peer`) stays queued but is not this
+  encoder's work: while only such items are here the encoder is idle for the drain rate. A peer that died holding
+  the lock keeps its waiters up to the lock's TTL (30 s); counted as busy, that wait became one sample of a few
+  tokens that priced every token at seconds and refused all requests for as long as the sample stayed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 from services.common.overload import FULL, WAIT
@@ -86,6 +92,12 @@ class EncoderRates:
         """Items were admitted at `now`; `in_encoder_before` items were in the encoder already."""
         if in_encoder_before == 0:
             self._busy_from = now
+
+    def paused(self, now: float, in_encoder_after: int) -> None:
+        """An item stopped being the encoder's work at `now` (it waits for another encoder), leaving
+        `in_encoder_after` items working: with none, the busy time ends without a sample."""
+        if in_encoder_after == 0:
+            self._busy_from = None
 
     def finished(self, now: float, in_encoder_after: int, tokens: int, encoded: bool, sample: bool = True) -> None:
         """An item of `tokens` left the encoder at `now` (`encoded`: through the tower), leaving
@@ -148,6 +160,16 @@ class Ticket:
         self._slot_unused[index] = False
         return self.reservation
 
+    @contextlib.contextmanager
+    def waiting_for_peer(self, index: int) -> Iterator[None]:
+        """Item `index` waits for the embedding another encoder is producing: queued still, but not this encoder's
+        work while the block runs (see the module's invariants)."""
+        self._admission._pause()
+        try:
+            yield
+        finally:
+            self._admission._resume()
+
     def finish(self, index: int, encoded: bool = False, sample: bool = True) -> None:
         """Item `index` is done (any outcome; `encoded` when it ran through the tower, which measures the
         drain rate unless not a `sample`: see `EncoderRates.finished`): give back its tokens, and its slot if
@@ -174,6 +196,7 @@ class Admission:
         self.rates = rates
         self._items = 0
         self._tokens = 0
+        self._waiting = 0  # of the items, those waiting for another encoder's embedding
 
     def admit(self, tokens: list[int], budget_s: float | None = None, booked: bool = False) -> Ticket:
         """Reserve for items costing `tokens` each, expected to finish within `budget_s` (the request's deadline)
@@ -205,7 +228,7 @@ class Admission:
         except QueueFull as exc:
             retry = self._retry_ms(self._drain_s(wanted, now))
             raise Overloaded(f"{exc}; the request needs {len(tokens)}", retry, FULL) from None
-        self.rates.started(now, self._items)
+        self.rates.started(now, self._items - self._waiting)
         self._items += len(tokens)
         self._tokens += wanted
         return Ticket(self, reservation, tokens)
@@ -240,4 +263,12 @@ class Admission:
     def _finish(self, tokens: int, encoded: bool, sample: bool) -> None:
         self._items -= 1
         self._tokens -= tokens
-        self.rates.finished(time.monotonic(), self._items, tokens, encoded, sample)
+        self.rates.finished(time.monotonic(), self._items - self._waiting, tokens, encoded, sample)
+
+    def _pause(self) -> None:
+        self._waiting += 1
+        self.rates.paused(time.monotonic(), self._items - self._waiting)
+
+    def _resume(self) -> None:
+        self.rates.started(time.monotonic(), self._items - self._waiting)
+        self._waiting -= 1

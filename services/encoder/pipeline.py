@@ -139,7 +139,8 @@ class Pipeline:
                     encoded = True
                     return ItemOutcome(mm_hash, embedding, "encoded", stages)
                 parts.metrics.peer_waits.add(1)
-                tensor = await self._wait_for_peer(mm_hash)
+                with ticket.waiting_for_peer(slot):
+                    tensor = await self._wait_for_peer(mm_hash)
                 if tensor is not None:
                     return ItemOutcome(mm_hash, ItemEmbedding.from_host(tensor), "peer")
         finally:

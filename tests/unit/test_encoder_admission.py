@@ -194,3 +194,33 @@ def test_overload_metadata_round_trips_and_defaults_to_wait() -> None:
     assert overload.read(overload.trailing(250, overload.FULL)) == (250, overload.FULL)
     assert overload.read((("retry-after-ms", "40"),)) == (40, overload.WAIT)  # an older encoder
     assert overload.read((("retry-after-ms", "x"), ("epd-overload", "odd"))) == (500, overload.WAIT)
+
+
+def test_an_item_waiting_for_another_encoder_is_no_busy_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An item whose image another encoder is producing waits (up to the lock's TTL when that encoder died) without
+    being this encoder's work: the wait neither raises the drain rate while it lasts, refusing the requests behind
+    it, nor becomes the sample of the item once it encodes after all. Counted as busy, 30 s of waiting priced 4
+    tokens at 30 s and refused everything for as long as that sample stayed."""
+    clock = [100.0]
+    monkeypatch.setattr("services.encoder.load.time.monotonic", lambda: clock[0])
+
+    async def go() -> None:
+        with PreprocessPool(workers=1, max_queue=8) as pool:
+            batcher = Batcher(_no_tower, max_tokens=100, max_wait_s=0.0)
+            rates = EncoderRates(item_s=0.05, item_tokens=4, prior=8)
+            admission = Admission(pool, batcher, token_cap=10_000, max_queue_s=1.0, rates=rates)
+            prior = rates.token_s(clock[0])
+            waiter = admission.admit([4])
+            with waiter.waiting_for_peer(0):
+                clock[0] += 30.0  # the peer died holding the lock: its TTL runs out
+                assert rates.token_s(clock[0]) == prior
+                other = admission.admit([4])  # admitted: the queue's expected wait is its own few tokens
+                clock[0] += 0.05
+                other.finish(0, encoded=True)
+                assert rates.token_s(clock[0]) == pytest.approx((8 * 0.05 + 0.05) / (9 * 4))
+            clock[0] += 0.05  # the lock is gone without an embedding: the waiter encodes it itself
+            waiter.finish(0, encoded=True)
+            assert rates.token_s(clock[0]) == pytest.approx((8 * 0.05 + 0.1) / (10 * 4))
+            assert admission.snapshot().queued_items == 0 and admission.expected_wait_s() == 0
+
+    run(go())
