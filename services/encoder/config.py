@@ -48,7 +48,8 @@ class EncoderConfig(ServiceConfig):
     dist_backend: str = dataclasses.field(default="gloo", metadata={"help": "gloo (CPU) or nccl (GPU)"})
     transfer_timeout_s: float = dataclasses.field(default=30.0, metadata={"help": "per push, either transport"})
     inflight_lock_ttl_s: float = dataclasses.field(
-        default=30.0, metadata={"help": "cluster-wide encode lock per mm_hash"}
+        default=5.0,
+        metadata={"help": "cluster-wide encode lock per mm_hash: how long waiters wait for a dead owner (renewed)"},
     )
     heartbeat_interval_s: float = dataclasses.field(default=0.2, metadata={"help": "registry heartbeat"})
     compute_nice: int = dataclasses.field(

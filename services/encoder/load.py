@@ -24,8 +24,8 @@ Invariants:
   what the others booked within one heartbeat.
 - An item waiting for another encoder's embedding (`Ticket.waiting_for_peer`) stays queued but is not this
   encoder's work: while only such items are here the encoder is idle for the drain rate. A peer that died holding
-  the lock keeps its waiters up to the lock's TTL (30 s); counted as busy, that wait became one sample of a few
-  tokens that priced every token at seconds and refused all requests for as long as the sample stayed.
+  the lock keeps its waiters up to the lock's TTL; counted as busy, such a wait (30 s of an unrenewed TTL) became
+  one sample of a few tokens that priced every token at seconds and refused all requests while it stayed.
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ def test_32_concurrent_requests_over_8_images_encode_each_once(pool: Pool) -> No
     assert 'transport="dist"' in text and 'transport="grpc"' not in text
 
 
-def test_inflight_lock_owner_waiters_expiry_and_outage(redis_server: RedisServer) -> None:
+def test_inflight_lock_owner_waiters_renewal_expiry_and_outage(redis_server: RedisServer) -> None:
     from services.encoder.inflight_lock import InflightLocks
 
     def key(mm_hash: str) -> str:
@@ -186,7 +186,10 @@ def test_inflight_lock_owner_waiters_expiry_and_outage(redis_server: RedisServer
     mine.release("a")
     assert theirs.peer_state("a") == type(theirs.peer_state("a"))(cached=True, locked=False)
     assert mine.acquire("b")
-    time.sleep(0.7)  # the owner vanished: the lock expires by its TTL
+    time.sleep(1.2)  # a live owner renews its lock past the TTL (a long encode)
+    assert theirs.peer_state("b").locked and not theirs.acquire("b")
+    mine.close()  # the owner dies: its renewals stop and the lock expires by its TTL
+    time.sleep(0.7)
     assert theirs.acquire("b")
     down = InflightLocks("redis://127.0.0.1:1/0", "test", key, socket_timeout_s=0.1, retry_after_s=5)
     start = time.perf_counter()
