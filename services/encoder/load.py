@@ -161,9 +161,9 @@ class Ticket:
         return self.reservation
 
     @contextlib.contextmanager
-    def waiting_for_peer(self, index: int) -> Iterator[None]:
-        """Item `index` waits for the embedding another encoder is producing: queued still, but not this encoder's
-        work while the block runs (see the module's invariants)."""
+    def waiting_for_peer(self) -> Iterator[None]:
+        """One of the items waits for the embedding another encoder is producing: queued still, but not this
+        encoder's work while the block runs (see the module's invariants)."""
         self._admission._pause()
         try:
             yield

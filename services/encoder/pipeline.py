@@ -139,7 +139,7 @@ class Pipeline:
                     encoded = True
                     return ItemOutcome(mm_hash, embedding, "encoded", stages)
                 parts.metrics.peer_waits.add(1)
-                with ticket.waiting_for_peer(slot):
+                with ticket.waiting_for_peer():
                     tensor = await self._wait_for_peer(mm_hash)
                 if tensor is not None:
                     return ItemOutcome(mm_hash, ItemEmbedding.from_host(tensor), "peer")

@@ -211,7 +211,7 @@ def test_an_item_waiting_for_another_encoder_is_no_busy_time(monkeypatch: pytest
             admission = Admission(pool, batcher, token_cap=10_000, max_queue_s=1.0, rates=rates)
             prior = rates.token_s(clock[0])
             waiter = admission.admit([4])
-            with waiter.waiting_for_peer(0):
+            with waiter.waiting_for_peer():
                 clock[0] += 30.0  # the peer died holding the lock: its TTL runs out
                 assert rates.token_s(clock[0]) == prior
                 other = admission.admit([4])  # admitted: the queue's expected wait is its own few tokens
