@@ -10,9 +10,10 @@ jobs run in the same order on the engine thread): each step's accepts (one call 
 are queued after its sampling together with the fill of the next step's bitmask for the same rows (one call
 for all of them), which so runs beside the engine's output handling, scheduling and next forward pass; the
 step waits for it only after the model ran. A next step whose constrained rows are not all
-among those filled queues its own fill before its forward. A sampled token is checked against the host
-bitmask its row was masked with (the matcher allows exactly the tokens whose bit is set), so a token outside
-the grammar ends its choice before it is kept, and a stop token ends it complete. The mask goes on in a copy
+among those filled queues its own fill before its forward. A sampled token is checked before it is kept
+(with the grammar thread, against the host bitmask its row was masked with; on the engine thread, by its
+matcher's accept itself: the matcher allows exactly the tokens whose bit is set), so a token outside the
+grammar ends its choice, and a stop token ends it complete. The mask goes on in a copy
 (the raw logits stay as they were: logprobs read them): on the CPU as an additive bias of 0 / -inf built
 with the fill, on other devices by xgrammar's kernel after one upload. Rows without a constraint are not
 touched, and a step without any costs nothing here.
@@ -85,6 +86,32 @@ def bit_rows(bitmask: torch.Tensor) -> list[int]:
     return [int.from_bytes(data[i : i + width], "little") for i in range(0, len(data), width)]
 
 
+class _Ran:
+    """A job run at once, where there is no grammar thread: its result, or the error it raised, read as a
+    finished future's (without a future's lock and condition, on every step)."""
+
+    __slots__ = ("_value", "_error")
+
+    def __init__(self, job: Callable[..., Any], args: tuple) -> None:
+        self._value: Any = None
+        self._error: Exception | None = None
+        try:
+            self._value = job(*args)
+        except Exception as exc:  # as the thread would hand it over: raised where the result is read
+            self._error = exc
+
+    def done(self) -> bool:
+        return True
+
+    def cancel(self) -> bool:
+        return False
+
+    def result(self) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 class StepMask:
     """One step's grammar mask. ``rows``: the step's sampling rows that are constrained; ``bitmask [k, words]``
     (int32, host; bit ``j % 32`` of word ``j // 32`` is token ``j``) holds row ``rows[i]``'s mask in row
@@ -107,17 +134,27 @@ class StepMask:
         self.bitmask = bitmask
         self.bias = bias
         self.stop_ids = stop_ids
-        self.bits = bit_rows(bitmask) if bits is None else bits
+        self._bits = bits
+
+    @property
+    def bits(self) -> list[int]:
+        """``bit_rows(bitmask)``, made on first use (the engine thread's accepts need none)."""
+        if self._bits is None:
+            self._bits = bit_rows(self.bitmask)
+        return self._bits
 
     def apply(self, logits: torch.Tensor, io: HostDevice) -> torch.Tensor:
         """A float32 copy of ``logits [N, vocab]`` with the tokens each constrained row's grammar does not allow
         at -inf; no host read."""
         if self.bias is not None:  # the CPU: one add (or a copy and an index_add) in place of a bit kernel
-            n = logits.shape[0]
-            if self.bias.shape[0] == n and self.rows == self.source == list(range(n)):
-                return logits + self.bias
-            out = logits.to(torch.float32, copy=True)  # some rows free, reordered, or a fill of more rows
-            return out.index_add_(0, torch.tensor(self.rows), self.bias[self.source])
+            k = len(self.rows)
+            bias = self.bias
+            if bias.shape[0] != k or self.source != list(range(k)):  # a fill of more rows, or in another order
+                bias = bias[self.source]
+            if k == logits.shape[0]:  # every row constrained (``rows`` ascend: they are the step's rows)
+                return logits + bias
+            out = logits.to(torch.float32, copy=True)
+            return out.index_add_(0, torch.tensor(self.rows), bias)
         import xgrammar as xgr
 
         if self.source == self.rows:  # bitmask row r is step row r
@@ -173,6 +210,8 @@ class StructuredOutputs:
         self.refusals = 0  # tokens a matcher refused on the grammar thread (never, while the masks are right)
         self._bitmask = torch.empty(0, 0, dtype=torch.int32)  # reused host buffers, grown to the rows a step needs
         self._bias = torch.empty(0, 8)
+        self._index = torch.empty(0, dtype=torch.int32)
+        self._views: dict[int, tuple[torch.Tensor | None, ...]] = {}  # per row count: ``_views_of``
         self.fills_beside = 0  # prefetched fills the grammar thread ran (beside the forward)
         self.fills_here = 0  # fills the engine thread ran (taken back, or never prefetched)
         self._table: torch.Tensor | None = None  # byte -> its 8 tokens' bias (0 where the bit is set, else -inf)
@@ -225,6 +264,8 @@ class StructuredOutputs:
         constrains: ``REFUSED`` where the grammar does not allow the token, ``STOPPED`` where it is a stop token
         (allowed only once the grammar is complete: the choice ends); the matchers of the other constrained rows
         accept their tokens on the grammar thread, before any later fill."""
+        if not self.beside:
+            return self._accept_here(mask, tokens)
         # one plain loop: on the engine thread, between a forward and the next, each numpy call costs more than
         # the whole check (a row's mask is one int: ``StepMask.bits``)
         verdicts: dict[int, str] = {}
@@ -244,6 +285,25 @@ class StructuredOutputs:
             self._pending = (states, self._submit(self._accept_and_fill, states, accepted, redo=redo))
         return verdicts
 
+    def _accept_here(self, mask: StepMask, tokens: list[int]) -> dict[int, str]:
+        """``accept`` without the grammar thread: each matcher's own accept is the check (it refuses exactly the
+        tokens its bitmask does not allow), so the mask's bits are read only for a stop token; then the accepted
+        rows' next bitmask is filled."""
+        verdicts: dict[int, str] = {}
+        states = []
+        stops = self._stops
+        for i, (row, state) in enumerate(zip(mask.rows, mask.states, strict=True)):
+            token = tokens[row]
+            if token in stops:
+                verdicts[row] = STOPPED if mask.allows(i, token) else REFUSED
+            elif state.matcher.accept_token(token):
+                states.append(state)
+            else:
+                verdicts[row] = REFUSED
+        if states:
+            self._pending = (states, _Ran(self._fill, (states,)))  # type: ignore[assignment]
+        return verdicts
+
     def close(self) -> None:
         if self._thread is not None:
             self._thread.shutdown(wait=True, cancel_futures=True)
@@ -256,12 +316,7 @@ class StructuredOutputs:
         run when it is taken back: True, the job itself (accepts); False, nothing (a fill: its caller fills); or
         that callable (the accepts of an accept-and-fill job)."""
         if not self.beside:  # run now, in queue order: there is no queue
-            done: concurrent.futures.Future = concurrent.futures.Future()
-            try:
-                done.set_result(job(*args))
-            except Exception as exc:  # as the thread would hand it over: raised where the result is read
-                done.set_exception(exc)
-            return done
+            return _Ran(job, args)  # type: ignore[return-value]
         if self._thread is None:
             self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-step")
         while self._jobs and self._jobs[0][0].done():
@@ -306,34 +361,47 @@ class StructuredOutputs:
 
     def _accept_and_fill(
         self, states: list[GrammarState], tokens: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[int] | None]:
         self._accept(states, tokens)
         return self._fill(states)
 
-    def _fill(self, states: list[GrammarState]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
-        """``states``' bitmask rows ``[k, words]`` filled in one call, the same as ints (``bit_rows``) and, on the
-        CPU, their bias ``[k, vocab]`` (views of reused buffers: valid until the next fill)."""
+    def _fill(self, states: list[GrammarState]) -> tuple[torch.Tensor, torch.Tensor | None, list[int] | None]:
+        """``states``' bitmask rows ``[k, words]`` filled in one call, the same as ints (``bit_rows``) for the
+        grammar thread's checks and, on the CPU, their bias ``[k, vocab]`` (views of reused buffers: valid until
+        the next fill)."""
         import xgrammar as xgr
 
         if self._batch is None:
             self._batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
-        rows, words = len(states), -(-self.vocab_size // 32)
-        if self._bitmask.shape[0] < rows:
-            self._bitmask = torch.empty(max(rows, 2 * self._bitmask.shape[0]), words, dtype=torch.int32)
-        bitmask = self._bitmask[:rows]
+        views = self._views.get(len(states)) or self._views_of(len(states))
+        bitmask, bias = views[0], views[-1]
         self._batch.batch_fill_next_token_bitmask([s.matcher for s in states], bitmask)
-        return bitmask, self._bias_of(bitmask) if self._on_cpu else None, bit_rows(bitmask)
+        if bias is not None:  # each byte of the bitmask looked up in the table, into the bias's rows
+            _, byte_view, index, table_rows, _ = views
+            torch.index_select(self._table, 0, index.copy_(byte_view), out=table_rows)
+        return bitmask, bias, bit_rows(bitmask) if self.beside else None  # the grammar thread's accept checks bits
 
-    def _bias_of(self, bitmask: torch.Tensor) -> torch.Tensor:
-        """``bitmask [k, words]`` as floats ``[k, vocab]``: 0 where a token's bit is set, -inf elsewhere (each
-        byte looked up in a 256 x 8 table; little-endian words: byte ``b`` of word ``w`` holds tokens
-        ``32w + 8b`` onwards)."""
-        if self._table is None:
-            bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
-            self._table = torch.zeros(256, 8).masked_fill_(bits == 0, float("-inf"))
-        index = bitmask.view(torch.uint8).view(-1)
-        if self._bias.shape[0] < index.numel():
-            self._bias = torch.empty(index.numel(), 8)
-        out = self._bias[: index.numel()]
-        torch.index_select(self._table, 0, index.int(), out=out)
-        return out.view(bitmask.shape[0], -1)[:, : self.vocab_size]
+    def _views_of(self, rows: int) -> tuple[torch.Tensor, ...]:
+        """The reused buffers' views for a fill of ``rows`` rows, made once per row count (the buffers grown
+        first when too small): the bitmask ``[rows, words]``, and on the CPU its bytes, those as table indices,
+        the table's output ``[bytes, 8]`` and the bias ``[rows, vocab]`` it is (0 where a token's bit is set,
+        -inf elsewhere; little-endian words: byte ``b`` of word ``w`` holds tokens ``32w + 8b`` onwards)."""
+        words = -(-self.vocab_size // 32)
+        if self._bitmask.shape[0] < rows:
+            size = max(rows, 2 * self._bitmask.shape[0])
+            self._bitmask = torch.empty(size, words, dtype=torch.int32)
+            self._bias = torch.empty(size * words * 4, 8)
+            self._index = torch.empty(size * words * 4, dtype=torch.int32)
+            self._views.clear()
+        bitmask = self._bitmask[:rows]
+        views: tuple[torch.Tensor | None, ...] = (bitmask, None)
+        if self._on_cpu:
+            if self._table is None:  # byte -> its 8 tokens' bias
+                bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+                self._table = torch.zeros(256, 8).masked_fill_(bits == 0, float("-inf"))
+            n = rows * words * 4
+            table_rows = self._bias[:n]
+            bias = table_rows.view(rows, -1)[:, : self.vocab_size]
+            views = (bitmask, bitmask.view(torch.uint8).view(-1), self._index[:n], table_rows, bias)
+        self._views[rows] = views  # type: ignore[assignment]
+        return views  # type: ignore[return-value]
