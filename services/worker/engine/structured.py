@@ -244,11 +244,11 @@ class StructuredOutputs:
         if not rows:
             return None
         constrained: list[GrammarState] = [states[i] for i in rows]  # type: ignore[misc]
-        if pending is not None and self._settle(pending[1]):
+        if pending is not None and (not self.beside or self._settle(pending[1])):
             self.fills_beside += 1
             filled, future = pending
             bitmask, bias, bits = future.result()
-            if len(filled) == len(constrained) and all(a is b for a, b in zip(filled, constrained, strict=True)):
+            if filled == constrained:  # the same states in the same order (a state equals only itself)
                 return StepMask(rows, constrained, list(range(len(rows))), bitmask, bias, self.stop_ids, bits)
             place = {id(state): j for j, state in enumerate(filled)}
             source = [place.get(id(state), -1) for state in constrained]
