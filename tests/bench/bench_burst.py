@@ -28,9 +28,10 @@ each run's figures.
 The model is make_tiny_model's, 256 wide and 4 layers deep by default: a decode step of 8 sequences costs
 ~3 ms on one core and a prefill token ~0.1 ms, so a 2048-token step stalls every stream for ~0.2 s. Every
 service gets one torch thread and the priorities `epd up` gives (`--engine-process` runs both workers' engines in
-a process of their own, docs/engine.md; `--compute-nice` sets the worker's
-`EPD_COMPUTE_NICE`: at 10, as `epd bench admission` runs, another program's load on this shared box took
-the engine thread's core for up to 100 ms in a step planned at 20). The images are JPEGs (~0.2 MB each; a
+a process of their own, docs/engine.md; `--compute-nice` sets `EPD_COMPUTE_NICE` for every service, where each
+otherwise keeps its own default: the encoder's compute at nice 10, the worker's engine at 0; at 10 for the
+worker, as `epd bench admission` runs, another program's load on this shared box took the engine thread's core
+for up to 100 ms in a step planned at 20). The images are JPEGs (~0.2 MB each; a
 PNG of the same noise is 2.7 MB, and eight at once kept the client and the router busy). The load average
 at the end of each run is printed: figures taken while other programs load the box stall in the relay too.
 It takes about two minutes.
@@ -468,7 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image-tokens", type=int, default=16, help="tokens per image request")
     parser.add_argument("--text-width", type=int, default=256, help="the model's hidden size (multiple of 64)")
     parser.add_argument("--text-layers", type=int, default=4, help="the model's layers")
-    parser.add_argument("--compute-nice", type=int, default=0, help="the worker engine thread's nice increment")
+    parser.add_argument(
+        "--compute-nice", type=int, help="every service's EPD_COMPUTE_NICE (default: each service's own default)"
+    )
     parser.add_argument("--engine-process", action="store_true", help="workers with EPD_ENGINE_PROCESS=on (else off)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny model, 2 streams, 2 small images")
     parser.add_argument(
@@ -506,7 +509,9 @@ def main(argv: list[str] | None = None) -> int:
     from tests import media_factory
     from tests.redis_server import RedisServer
 
-    env = {"EPD_COMPUTE_NICE": str(args.compute_nice), "EPD_ENGINE_PROCESS": str(args.engine_process).lower()}
+    env = {"EPD_ENGINE_PROCESS": str(args.engine_process).lower()}
+    if args.compute_nice is not None:  # else each service's own default, as `epd up` starts them
+        env["EPD_COMPUTE_NICE"] = str(args.compute_nice)
     images = [media_factory.jpeg(width, height, seed=1000 + i) for i in range(args.images)]
     redis = RedisServer(free_port())
     redis.start()

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from services.worker.engine import kv_connector
 from services.worker.engine.engine import Engine
 from services.worker.engine.kv_copy import block_dim
 from services.worker.engine.request import KV_RECEIVE, KV_SEND, KVTransfer, SamplingOptions
@@ -57,7 +58,7 @@ def _run(prefill: Engine, decode: Engine, results: dict[str, Result], shipped: l
             for chunk in prefill.kv_connector.take():
                 if shipped is not None:
                     shipped.append(chunk.keys.shape[1 + block_dim(prefill.runner.kv.layout)])
-                collect(decode.receive_kv(chunk), results)
+                decode.receive_kv(chunk)
         if decode.has_work():
             collect(decode.step(), results)
     raise AssertionError("engines did not finish")
@@ -110,6 +111,38 @@ def test_prefill_there_decode_here_equals_generate(
     assert widest and max(widest) == 1  # the decode engine never computed a prompt token: decodes only
 
 
+def test_received_kv_is_written_a_piece_per_gap_while_sequences_decode(
+    loaded: tuple[Any, Any], workload: list[tuple[Prompt, int, list[int]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With one block a piece and no time for writes between steps, a decode engine that decodes writes one piece of
+    the arriving KV before each step (and all of it when idle): the answers are still generate's, every block
+    comes back, and the KV of later requests really waited for the steps."""
+    monkeypatch.setattr(kv_connector, "KV_PIECE_BYTES", 1)
+    monkeypatch.setattr(kv_connector, "KV_WRITE_SHARE", 0.0)
+    prefill, decode = _pair(loaded, "sdpa", 64)
+    written: list[tuple[bool, int, int]] = []  # (paced, pieces written, pieces left)
+    write = decode.kv_connector.write
+
+    def counted(step_s: float | None) -> list:
+        before = len(decode.kv_connector.queued)
+        done = write(step_s)
+        written.append((step_s is not None, before - len(decode.kv_connector.queued), len(decode.kv_connector.queued)))
+        return done
+
+    decode.kv_connector.write = counted  # type: ignore[method-assign]
+    results: dict[str, Result] = {}
+    for i, (prompt, max_tokens, _) in enumerate(workload):
+        _submit(prefill, decode, f"p{i}", prompt, SamplingOptions(max_tokens=max_tokens))
+    _run(prefill, decode, results)
+    for i, (_, _, expected) in enumerate(workload):
+        assert results[f"p{i}"].tokens == expected, i
+    paced = [(n, left) for is_paced, n, left in written if is_paced]
+    assert paced and all(n == 1 for n, _ in paced)
+    assert any(left > 0 for _, left in paced)  # pieces waited for later gaps
+    assert any(not is_paced and n > 1 for is_paced, n, _ in written)  # idle: everything at once
+    _all_free(prefill, decode)
+
+
 def test_sampling_and_logprobs_as_one_engine(
     loaded: tuple[Any, Any], workload: list[tuple[Prompt, int, list[int]]]
 ) -> None:
@@ -138,16 +171,7 @@ def test_sampling_and_logprobs_as_one_engine(
             for mm_hash, tensor in prompt.embeddings.items():
                 decode.provide_embedding(mm_hash, tensor)
             decode.add_request(prompt.request(f"s{i}", sampling))
-    original = decode.receive_kv
-
-    def receive(chunk: Any) -> list:
-        outs = original(chunk)
-        for out in outs:
-            got_logprobs.setdefault(out.request_id, []).extend(out.logprobs or [])
-        return outs
-
-    decode.receive_kv = receive  # type: ignore[method-assign]
-    step = decode.step
+    step = decode.step  # a remote prefill's first token comes out of the step that wrote its last KV
 
     def decode_step() -> list:
         outs = step()
@@ -187,12 +211,14 @@ def test_aborts_in_every_state_free_everything(
     late = prefill.kv_connector.take()
     assert prefill.abort(prefilling) and decode.abort(prefilling)
     for chunk in late:
-        assert decode.receive_kv(chunk) == []  # arrives after the abort: dropped
+        decode.receive_kv(chunk)  # arrives after the abort: dropped (below: every block comes back)
     for _ in range(200):  # until `transferring` has part of its KV at the decode engine
         prefill.step()
         chunks = prefill.kv_connector.take()
         for chunk in chunks:
-            collect(decode.receive_kv(chunk), results)
+            decode.receive_kv(chunk)
+        if decode.has_work():  # a step writes what arrived
+            collect(decode.step(), results)
         seq = decode.kv_connector.receiving.get(transferring)
         if seq is not None and seq.num_computed_tokens > 0:
             break
@@ -201,7 +227,7 @@ def test_aborts_in_every_state_free_everything(
         if prefill.has_work():
             prefill.step()
         for chunk in prefill.kv_connector.take():
-            collect(decode.receive_kv(chunk), results)
+            decode.receive_kv(chunk)
         collect(decode.step(), results)
         if len(results.get(decoding, Result()).tokens) >= 2:
             break

@@ -97,6 +97,7 @@ class Engine:
         self.awaiting_grammar: list[Sequence] = []
         self._stalled = False  # the last step scheduled nothing and nothing has changed since
         self._tokens_at: float | None = None  # the last timed step's end, when sequences decode on after it
+        self._step_s = 0.0  # the last timed step's own time (from its scheduling to its sampled tokens)
 
     def bind_thread(self) -> None:
         """Call first on the thread that will run the engine: it makes the engine's CUDA device that thread's
@@ -119,25 +120,30 @@ class Engine:
         self._enqueue(choices, request.kv_transfer)
         return True
 
-    def receive_kv(self, chunk: KVChunk) -> list[StepOutput]:
-        """A chunk of a ``KV_RECEIVE`` request's prompt KV arrived (kv_connector.py): written into its blocks; the
-        last one's first token is the request's first output (then it decodes here, or ends on that token). A
-        chunk of a request not receiving here (aborted, re-admitted) is dropped."""
-        seq = self.kv_connector.receive(chunk)
+    def receive_kv(self, chunk: KVChunk) -> None:
+        """A chunk of a ``KV_RECEIVE`` request's prompt KV arrived (kv_connector.py): checked (ValueError) and queued;
+        the following steps write it into its blocks, paced, and the last one's first token is then the request's
+        first output (it decodes here, or ends on that token). A chunk of a request not receiving here (aborted,
+        re-admitted) is dropped."""
+        self.kv_connector.receive(chunk)
         self._stalled = False
-        if seq is None:
-            return []
-        first = chunk.first_token
-        seq.append_token(first.token_id)
-        reason = seq.stop_reason(self.eos_token_ids)
-        if reason is not None:
-            self._finish(seq, reason)
-        else:
-            self.scheduler.ready.append(seq)
-        logprobs = None if first.logprobs is None else [first.logprobs]
-        finished = seq.request_id not in self.requests
-        return [StepOutput(seq.request_id, [first.token_id], reason is not None, reason, seq.num_cached_tokens,
-                           seq.index, logprobs, finished)]  # fmt: skip
+
+    def _write_received_kv(self) -> list[StepOutput]:
+        """Write queued KV pieces (while sequences decode, paced by the last step's time: ``KVConnector.write``);
+        the first-token outputs of the sequences whose KV is then complete."""
+        outputs = []
+        for seq, first in self.kv_connector.write(None if self._tokens_at is None else self._step_s):
+            seq.append_token(first.token_id)
+            reason = seq.stop_reason(self.eos_token_ids)
+            if reason is not None:
+                self._finish(seq, reason)
+            else:
+                self.scheduler.ready.append(seq)
+            logprobs = None if first.logprobs is None else [first.logprobs]
+            finished = seq.request_id not in self.requests
+            outputs.append(StepOutput(seq.request_id, [first.token_id], reason is not None, reason,
+                                      seq.num_cached_tokens, seq.index, logprobs, finished))  # fmt: skip
+        return outputs
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request (its ``sampling.n`` choices) without reserving: the scheduler reserves each choice's
@@ -176,9 +182,10 @@ class Engine:
 
     def has_work(self) -> bool:
         """True when a step may compute something: not all requests wait for embeddings, and the last step
-        did not come back empty with nothing changed since (e.g. blocks held by reservations)."""
-        if self.awaiting_grammar:
-            return True  # a compile may finish: the step polls it
+        did not come back empty with nothing changed since (e.g. blocks held by reservations), or received KV
+        waits to be written."""
+        if self.awaiting_grammar or self.kv_connector.queued:
+            return True  # a compile may finish: the step polls it; a step writes received KV
         return not self._stalled and any(
             seq.first_blocked_offset(seq.num_computed_tokens, self.embeddings) > seq.num_computed_tokens
             for seq in self._sequences()
@@ -193,7 +200,9 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """Schedule, run the model once, sample; returns the new tokens of the requests that sampled."""
-        failed = self._start_grammars() if self.awaiting_grammar else []
+        early = self._write_received_kv() if self.kv_connector.queued else []
+        if self.awaiting_grammar:
+            early += self._start_grammars()
         now = time.perf_counter()
         start = self._tokens_at or now
         self._tokens_at = None
@@ -203,7 +212,7 @@ class Engine:
                 concurrent.futures.wait([s.grammar.compiling for s in self.awaiting_grammar], GRAMMAR_POLL_S)
             else:
                 self._stalled = True
-            return failed
+            return early
         if self.structured.beside:  # the grammar thread fills the step's masks beside the forward
             self.structured.prefetch(
                 [c.seq.grammar for c in scheduled.chunks if c.samples and c.seq.grammar is not None]
@@ -227,10 +236,11 @@ class Engine:
         end = time.perf_counter()
         if timed:
             self._time_step(scheduled, end - start)
+            self._step_s = end - now
         self.scheduler.update(scheduled)
         if self.kv_connector.sending:
             self.kv_connector.export(scheduled.chunks)
-        outputs = failed
+        outputs = early
         verdicts = self.structured.accept(mask, [token for token, _ in sampled]) if mask is not None else {}
         # a row per sampling sequence: the checks that cost a call (grammar verdict, remote prefill) are skipped
         # when no row can need them, and the output is built positionally (StepOutput's field order)

@@ -8,11 +8,16 @@ first sampled token, its logprobs and the M-RoPE position delta; the request the
 (``"kv_sent"``) and its blocks stay as evictable prefix cache like any finished request's. A decode engine admits
 a ``KV_RECEIVE`` request with its whole reservation: the prompt's blocks are allocated at once (a local prefix hit
 first: those are not shipped, ``skip_blocks``), each chunk is written into them and its full blocks' hashes
-registered; the last chunk appends the first token and the sequence joins the scheduler as a decode.
+registered; the last chunk appends the first token and the sequence joins the scheduler as a decode. A received
+chunk is checked when it arrives and written in pieces of whole blocks (``KV_PIECE_BYTES``) before the following
+steps: while sequences decode, for at most ``KV_WRITE_SHARE`` of the last step's time a gap, so a burst of
+arriving KV never stretches a decode's inter-token gap by more than that.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +28,12 @@ from services.worker.engine.kv_copy import block_dim, read_blocks, write_blocks
 from services.worker.engine.request import TokenLogprobs
 from services.worker.engine.scheduler import ScheduledChunk
 from services.worker.engine.sequence import Sequence, SequenceStatus
+
+KV_PIECE_BYTES = 1 << 20
+"""A received chunk is written in pieces of whole blocks of at most this many bytes (one block at least)."""
+KV_WRITE_SHARE = 0.25
+"""While sequences decode, the pieces written before a step take at most this share of the last step's time (one
+piece at least, so every transfer advances)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,19 @@ class KVChunk:
         return self.keys.nbytes + self.values.nbytes
 
 
+@dataclass(frozen=True)
+class _Piece:
+    """Part of a received chunk: ``keys``/``values`` for pool ``blocks`` of ``seq``, after which its prompt's first
+    ``num_tokens`` tokens are in the pool; ``first_token`` on the last piece of the last chunk."""
+
+    seq: Sequence
+    blocks: list[int]
+    keys: torch.Tensor
+    values: torch.Tensor
+    num_tokens: int
+    first_token: FirstToken | None
+
+
 @dataclass
 class _Sending:
     seq: Sequence
@@ -72,6 +96,7 @@ class KVConnector:
         self.sending: dict[str, _Sending] = {}
         self.receiving: dict[str, Sequence] = {}
         self.outbox: list[KVChunk] = []
+        self.queued: deque[_Piece] = deque()  # received, checked, not yet written (in arrival order)
 
     @staticmethod
     def check(seq: Sequence, num_choices: int) -> None:
@@ -145,36 +170,64 @@ class KVConnector:
     def receives(self, seq: Sequence) -> bool:
         return self.receiving.get(seq.request_id) is seq
 
-    def receive(self, chunk: KVChunk, expected_rope_delta: int | None = None) -> Sequence | None:
-        """Write a chunk into its sequence's blocks (those not taken from the local prefix cache) and register the
-        full ones' hashes; the sequence when this was its last chunk (taken out of ``receiving``), else None. A chunk
-        of a request not receiving here (aborted, or migrated away) is dropped: None."""
+    def receive(self, chunk: KVChunk) -> None:
+        """Check a chunk against its sequence (ValueError: past its prompt, or a last chunk that does not end it)
+        and queue it for ``write`` in pieces (those of blocks taken from the local prefix cache skipped). A chunk
+        of a request not receiving here (aborted, or migrated away) is dropped."""
         seq = self.receiving.get(chunk.request_id)
         if seq is None:
-            return None
+            return
         dim = 1 + block_dim(self.kv.layout)
         n = chunk.keys.shape[dim]
         end = chunk.first_block + n
         if end > len(seq.block_table) or chunk.num_tokens > seq.num_prompt_tokens:
             past = f"blocks to {end}, {chunk.num_tokens} tokens"
             raise ValueError(f"request {seq.name}: KV chunk past its prompt ({past})")
-        skip = max(seq.num_cached_tokens // self.block_manager.block_size - chunk.first_block, 0)  # hit blocks
-        if n > skip:
-            keys, values = chunk.keys.narrow(dim, skip, n - skip), chunk.values.narrow(dim, skip, n - skip)
-            write_blocks(self.kv, seq.block_table[chunk.first_block + skip : end], keys, values)
-        seq.num_computed_tokens = max(seq.num_computed_tokens, chunk.num_tokens)
-        self.block_manager.cache_full_blocks(seq)
-        if chunk.first_token is None:
-            return None
-        prompt = seq.num_prompt_tokens
-        if chunk.num_tokens != prompt:
-            raise ValueError(f"request {seq.name}: last KV chunk covers {chunk.num_tokens} of {prompt} prompt tokens")
-        delta = seq.positions[0][prompt] - prompt
-        if chunk.first_token.rope_delta != delta:
-            theirs = chunk.first_token.rope_delta
-            raise ValueError(f"request {seq.name}: the prefill's position delta {theirs} != this engine's {delta}")
-        del self.receiving[seq.request_id]
-        return seq
+        first = chunk.first_token
+        if first is not None:
+            prompt = seq.num_prompt_tokens
+            if chunk.num_tokens != prompt:
+                covers = f"{chunk.num_tokens} of {prompt} prompt tokens"
+                raise ValueError(f"request {seq.name}: last KV chunk covers {covers}")
+            delta = seq.positions[0][prompt] - prompt
+            if first.rope_delta != delta:
+                theirs = first.rope_delta
+                raise ValueError(f"request {seq.name}: the prefill's position delta {theirs} != this engine's {delta}")
+        size = self.block_manager.block_size
+        skip = min(max(seq.num_cached_tokens // size - chunk.first_block, 0), n)  # prefix-hit blocks
+        per_piece = max(1, KV_PIECE_BYTES * n // max(chunk.nbytes, 1))  # blocks
+        for at in range(chunk.first_block + skip, end, per_piece):
+            count = min(per_piece, end - at)
+            keys = chunk.keys.narrow(dim, at - chunk.first_block, count)
+            values = chunk.values.narrow(dim, at - chunk.first_block, count)
+            tokens = min(chunk.num_tokens, (at + count) * size)
+            self.queued.append(_Piece(seq, seq.block_table[at : at + count], keys, values, tokens, None))
+        if first is not None or not n > skip:  # the first token, or the token count of a chunk with nothing to write
+            empty = chunk.keys.narrow(dim, 0, 0), chunk.values.narrow(dim, 0, 0)
+            self.queued.append(_Piece(seq, [], *empty, chunk.num_tokens, first))
+
+    def write(self, step_s: float | None) -> list[tuple[Sequence, FirstToken]]:
+        """Write queued pieces in order, for at most ``KV_WRITE_SHARE`` of ``step_s`` (the last step's time, while
+        sequences decode; None: all of them), one at least; register the blocks they fill. The sequences whose
+        last piece was written (taken out of ``receiving``), each with its first token. Pieces of a sequence no
+        longer receiving here are dropped."""
+        deadline = None if step_s is None else time.perf_counter() + KV_WRITE_SHARE * step_s
+        done = []
+        while self.queued:
+            piece = self.queued.popleft()
+            seq = piece.seq
+            if self.receiving.get(seq.request_id) is not seq:
+                continue
+            if piece.blocks:
+                write_blocks(self.kv, piece.blocks, piece.keys, piece.values)
+            seq.num_computed_tokens = max(seq.num_computed_tokens, piece.num_tokens)
+            self.block_manager.cache_full_blocks(seq)
+            if piece.first_token is not None:
+                del self.receiving[seq.request_id]
+                done.append((seq, piece.first_token))
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
+        return done
 
     def forget(self, seq: Sequence) -> None:
         """``seq`` ended (finished or aborted) in any state: no more chunks for it, none sent."""

@@ -127,9 +127,9 @@ class EngineLoop:
         return self.submit(admit)
 
     def receive_kv(self, chunk: Any) -> concurrent.futures.Future:
-        """A remote prefill's KV chunk for the engine (``engine.receive_kv``); its outputs (the first token, on the
-        last chunk) reach the request's sink as a step's do."""
-        return self.submit(lambda engine: self._dispatch(engine.receive_kv(chunk)))
+        """A remote prefill's KV chunk for the engine (``engine.receive_kv``: checked and queued; the steps write it,
+        and the first token, after the last chunk, reaches the request's sink as a step's outputs do)."""
+        return self.submit(lambda engine: engine.receive_kv(chunk))
 
     def _dispatch(self, outputs: list) -> None:
         """Hand outputs to their requests' sinks in one delivery, dropping the sinks of finished requests."""
