@@ -240,10 +240,13 @@ class StructuredOutputs:
         """The mask of a step's sampling rows (``states``: each row's grammar, None where unconstrained): the
         prefetched fill waited for, or, for rows it did not fill, a fill now; None when no row is constrained."""
         pending, self._pending = self._pending, None
-        rows = [i for i, state in enumerate(states) if state is not None]
-        if not rows:
-            return None
-        constrained: list[GrammarState] = [states[i] for i in rows]  # type: ignore[misc]
+        if None not in states:  # every row constrained (the common case of a constrained batch)
+            rows, constrained = list(range(len(states))), states  # type: ignore[assignment]
+        else:
+            rows = [i for i, state in enumerate(states) if state is not None]
+            if not rows:
+                return None
+            constrained: list[GrammarState] = [states[i] for i in rows]  # type: ignore[misc]
         if pending is not None and (not self.beside or self._settle(pending[1])):
             self.fills_beside += 1
             filled, future = pending
@@ -292,10 +295,10 @@ class StructuredOutputs:
         verdicts: dict[int, str] = {}
         states = []
         stops = self._stops
-        for i, (row, state) in enumerate(zip(mask.rows, mask.states, strict=True)):
+        for row, state in zip(mask.rows, mask.states, strict=True):
             token = tokens[row]
-            if token in stops:
-                verdicts[row] = STOPPED if mask.allows(i, token) else REFUSED
+            if token in stops:  # rare: the row's bits read once
+                verdicts[row] = STOPPED if mask.allows(mask.rows.index(row), token) else REFUSED
             elif state.matcher.accept_token(token):
                 states.append(state)
             else:
