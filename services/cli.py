@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
+import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -69,8 +71,6 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     """Benchmarks live in the source checkout (tests/bench/); run one there as a module."""
-    import subprocess
-
     root = Path(__file__).resolve().parent.parent
     name = args.what.replace("-", "_")  # `kv-transfer` is tests/bench/bench_kv_transfer.py
     if not (root / "tests" / "bench" / f"bench_{name}.py").exists():
@@ -79,7 +79,34 @@ def _bench(args: argparse.Namespace) -> int:
             "(run it from a clone of the repository)",
             USAGE,
         )
-    return subprocess.call([sys.executable, "-m", f"tests.bench.bench_{name}", *args.rest], cwd=root)
+    return _wait_forwarding(subprocess.Popen([sys.executable, "-m", f"tests.bench.bench_{name}", *args.rest], cwd=root))
+
+
+def _wait_forwarding(child: subprocess.Popen) -> int:
+    """Wait for a bench to end; SIGTERM or SIGHUP here reaches it as SIGINT, after which it stops its clusters as
+    after Ctrl-C. A Ctrl-C from a terminal reaches it too (one process group), and this process waits for its
+    cleanup: `subprocess.call` SIGKILLed it then, and a `timeout` or `kill` killed only this process; either way
+    the bench's services outlived it."""
+
+    def forward(signum: int, frame: object) -> None:
+        if child.poll() is None:
+            child.send_signal(signal.SIGINT)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    interrupted = False
+    try:
+        while True:
+            try:
+                code = child.wait()
+                break
+            except KeyboardInterrupt:
+                interrupted = True
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if interrupted:
+        raise KeyboardInterrupt
+    return 128 - code if code < 0 else code  # ended by a signal: the shell's convention (130 for SIGINT)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -225,7 +225,13 @@ class BenchCluster:
             prefill_workers=prefill_workers,
             pd_min_prefill_tokens=pd_min_prefill_tokens,
         )
-        opened = cls(await asyncio.to_thread(start_cluster, spec), settings, images)
+        starting = asyncio.get_running_loop().run_in_executor(None, start_cluster, spec)
+        try:
+            cluster = await asyncio.shield(starting)
+        except asyncio.CancelledError:  # interrupted while it starts: what it started stops with it
+            (await starting).stop()
+            raise
+        opened = cls(cluster, settings, images)
         opened.pinned = pinned
         try:
             opened.pin()
@@ -274,12 +280,16 @@ class BenchCluster:
         self.result.load_average = max(self.result.load_average, os.getloadavg()[0])
 
     async def close(self) -> None:
-        self.result.worker_metrics = _scrape_step_metrics(self.cluster.workers[0].metrics_port)
-        if self.cluster.prefill_workers:
-            self.result.remote_prefills = self.remote_prefills()
-        await self.sender.close()
-        await asyncio.gather(*(c.close() for c in self.channels))
-        await asyncio.to_thread(self.cluster.stop)
+        """The workers' step metrics read, the clients closed, the cluster stopped: that last whatever happened
+        before it (an interrupted bench leaves no service running)."""
+        try:
+            self.result.worker_metrics = _scrape_step_metrics(self.cluster.workers[0].metrics_port)
+            if self.cluster.prefill_workers:
+                self.result.remote_prefills = self.remote_prefills()
+            await self.sender.close()
+            await asyncio.gather(*(c.close() for c in self.channels))
+        finally:
+            self.cluster.stop()  # on this thread: an await here could be cancelled again
 
 
 async def run_both(

@@ -228,3 +228,26 @@ def test_ctrl_c_during_start_up_stops_everything(tiny_model_dir: Path, redis_ser
     assert not log_dir.exists(), f"left {log_dir}"
     assert len(services) == 3
     assert psutil.wait_procs(services, timeout=10)[1] == [], "a service outlived epd up"
+
+
+def test_a_bench_stopped_with_sigterm_stops_its_services() -> None:
+    """`timeout` or `kill` stops `epd bench` with SIGTERM: the bench gets it as an interrupt and stops the cluster
+    it was starting, so no service outlives it (its services run in process groups of their own)."""
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "bench", "burst", "--quick"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    services: list[psutil.Process] = []
+    while len(services) < 3 and time.monotonic() < deadline and bench.poll() is None:
+        tree = psutil.Process(bench.pid).children(recursive=True)
+        services = [p for p in tree if "services.cli serve" in " ".join(p.cmdline())]
+        time.sleep(0.05)
+    assert len(services) == 3, "the bench started no cluster"
+    descendants = psutil.Process(bench.pid).children(recursive=True)
+    bench.send_signal(signal.SIGTERM)
+    _, err = bench.communicate(timeout=90)
+    assert bench.returncode == 130, (bench.returncode, err[-2000:])
+    assert psutil.wait_procs(descendants, timeout=15)[1] == [], "a process outlived epd bench"
