@@ -27,7 +27,8 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.host_device import HostDevice
 from services.worker.engine.request import EngineRequest, SamplingOptions
-from services.worker.engine.structured import REFUSED, STOPPED, StepMask, StructuredOutputs
+from services.worker.engine.step_mask import StepMask
+from services.worker.engine.structured import REFUSED, STOPPED, StructuredOutputs
 from tests.engine_support import Prompt, Result, build_prompt, image
 from tests.structured_support import CONSTRAINTS, check_valid, oracle
 

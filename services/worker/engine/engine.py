@@ -33,7 +33,8 @@ from services.worker.engine.sampler import Sampler, reseed_for_position
 from services.worker.engine.scheduler import Scheduler, SchedulerOutput
 from services.worker.engine.sequence import Sequence, request_choices
 from services.worker.engine.step_cost import StepCostModel, StepShape, StepTiming
-from services.worker.engine.structured import REFUSED, STOPPED, StepMask, StructuredOutputs
+from services.worker.engine.step_mask import StepMask
+from services.worker.engine.structured import REFUSED, STOPPED, StructuredOutputs
 from services.worker.engine.tensor_parallel.start import make_runner
 
 log = logging.getLogger(__name__)
