@@ -184,7 +184,14 @@ def test_a_constraint_that_does_not_compile_ends_error_and_is_then_refused(
     engine = _engine(loaded)
     bad = SamplingOptions(max_tokens=8, n=2, structured=Constraint("regex", "(?=a)b"))
     good = SamplingOptions(max_tokens=4)
-    results = _run(engine, [(prompt, prompt.request("bad", bad)), (prompt, prompt.request("good", good))])
+    # the compile thread busy until both are admitted: a lookahead fails to compile in microseconds, and once
+    # that is known a request is refused at admission (below) instead of ending "error"
+    gate = threading.Event()
+    engine.structured.cache._pool.submit(gate.wait, 10)
+    engine.add_request(prompt.request("bad", bad))
+    engine.add_request(prompt.request("good", good))
+    gate.set()
+    results = _run(engine, [])
     assert results["bad"] == Result([], "error") and results["bad/1"] == Result([], "error")
     assert len(results["good"].tokens) == 4
     with pytest.raises(ValueError, match="Lookahead is not supported"):
