@@ -9,6 +9,7 @@ static buffer.
 
 from __future__ import annotations
 
+import struct
 from array import array
 
 import torch
@@ -17,6 +18,16 @@ _TYPECODES = {torch.int64: "q", torch.int32: "i", torch.float32: "f"}
 _NUMPY_ARGMAX = (torch.float32, torch.float64)
 RING = 4
 """Staging buffers per dtype, used in turn: a buffer is refilled four uploads after its last copy was queued."""
+
+
+def _packed(values: list[int] | list[float], dtype: torch.dtype) -> bytearray | array:
+    """``values`` as the bytes of a C array of ``dtype``: integers through `struct` (a step's ~2,000 ints in ~15 us,
+    where ``array`` takes ~35), floats through ``array`` (which, unlike `struct`, rounds an out-of-range float to
+    infinity as a cast does)."""
+    code = _TYPECODES[dtype]
+    if code == "f":
+        return array(code, values)
+    return bytearray(struct.pack(f"{len(values)}{code}", *values))
 
 
 class _Stage:
@@ -61,7 +72,7 @@ class HostDevice:
     ) -> torch.Tensor:
         """``values`` as a 1-D ``dtype`` tensor on the device; written into ``out[:len(values)]`` when given."""
         count = len(values)
-        host = torch.frombuffer(array(_TYPECODES[dtype], values), dtype=dtype) if count else torch.empty(0, dtype=dtype)
+        host = torch.frombuffer(_packed(values, dtype), dtype=dtype) if count else torch.empty(0, dtype=dtype)
         if not self._staged:
             return host if out is None else out[:count].copy_(host)
         target = out[:count] if out is not None else torch.empty(count, dtype=dtype, device=self.device)
