@@ -181,7 +181,10 @@ class ModelAdapter(Protocol):
         self, model: torch.nn.Module | None, token_ids: list[int], items: list[MediaSpan]
     ) -> Positions: ...
 
-    def decode_positions(self, start: int, count: int, rope_delta: int) -> torch.Tensor: ...
+    def decode_positions(self, start: int, count: int, rope_delta: int) -> torch.Tensor:
+        """Positions ``[3, count]`` of generated tokens at indices ``start``..: each token's are its predecessor's
+        plus one on every axis (the engine advances a kept decode step by that rule: decode_batch.py)."""
+        ...
 
     def forward_hidden(
         self, model: torch.nn.Module, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, **kwargs: Any

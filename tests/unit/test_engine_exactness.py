@@ -46,7 +46,7 @@ def test_concurrent_greedy_equals_generate(
     """Every CPU attention path: the compiled kernel (this machine has a C compiler), SDPA, the GPU's varlen call
     with its pure-torch twin, and our Triton kernel (in Triton's interpreter), each of the last two at 16- and
     256-token blocks, the 256 ones through the decode graphs' padded static-buffer path (eagerly: no capture on
-    the CPU)."""
+    the CPU), the others advancing decode steps of the same sequences in place."""
     adapter, model = loaded
     name, block_size, graphs = {**BACKENDS, **INTERPRETED}[backend]
     config = backend_config(backend, budget, caching)
@@ -56,6 +56,8 @@ def test_concurrent_greedy_equals_generate(
     results = run_workload(engine, interpreted_workload(workload) if backend in INTERPRETED else workload)
     if engine.runner.graphs is not None:
         assert engine.runner.graphs.steps > 0  # decode-only steps went through the padded graph path
+    else:
+        assert engine.runner.decodes.advanced > 0  # decode steps of the same sequences were advanced in place
     if caching and block_size == 16:  # 256-token blocks: prefix reuse is tested in test_engine_requests.py
         assert any(r.cached_tokens > 0 for r in results.values())
 

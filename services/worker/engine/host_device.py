@@ -12,6 +12,7 @@ from __future__ import annotations
 import struct
 from array import array
 
+import numpy as np
 import torch
 
 _TYPECODES = {torch.int64: "q", torch.int32: "i", torch.float32: "f"}
@@ -28,6 +29,12 @@ def _packed(values: list[int] | list[float], dtype: torch.dtype) -> bytearray | 
     if code == "f":
         return array(code, values)
     return bytearray(struct.pack(f"{len(values)}{code}", *values))
+
+
+def packed_ints(values: list[int]) -> np.ndarray:
+    """``values`` in a writable int64 numpy buffer (packed as ``upload`` packs them): a kept decode step's ints
+    (services/worker/engine/decode_batch.py), which ``upload`` then takes without packing again."""
+    return np.frombuffer(_packed(values, torch.int64), dtype=np.int64)
 
 
 class _Stage:
@@ -68,11 +75,19 @@ class HostDevice:
         self._turn: dict[torch.dtype, int] = {}
 
     def upload(
-        self, values: list[int] | list[float], dtype: torch.dtype, out: torch.Tensor | None = None
+        self, values: list[int] | list[float] | np.ndarray, dtype: torch.dtype, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """``values`` as a 1-D ``dtype`` tensor on the device; written into ``out[:len(values)]`` when given."""
+        """``values`` as a 1-D ``dtype`` tensor on the device; written into ``out[:len(values)]`` when given. A numpy
+        array of ``dtype``'s type is taken as it is: on the CPU the tensor shares its memory."""
         count = len(values)
-        host = torch.frombuffer(_packed(values, dtype), dtype=dtype) if count else torch.empty(0, dtype=dtype)
+        if isinstance(values, np.ndarray):
+            host = torch.from_numpy(values)
+            if host.dtype != dtype:
+                raise ValueError(f"upload of a {host.dtype} array as {dtype}")
+        elif count:
+            host = torch.frombuffer(_packed(values, dtype), dtype=dtype)
+        else:
+            host = torch.empty(0, dtype=dtype)
         if not self._staged:
             return host if out is None else out[:count].copy_(host)
         target = out[:count] if out is not None else torch.empty(count, dtype=dtype, device=self.device)

@@ -26,6 +26,7 @@ from services.worker.engine.attention.backend import CONTEXT_KWARG, install_page
 from services.worker.engine.attention.kv_cache import KVCache, KVShape
 from services.worker.engine.config import CPU_KV_CACHE_BYTES, EngineConfig
 from services.worker.engine.cuda_graphs import DecodeGraphs
+from services.worker.engine.decode_batch import DecodeBatch
 from services.worker.engine.embeddings import EmbeddingPool
 from services.worker.engine.host_device import HostDevice
 from services.worker.engine.memory import kv_budget, profile_cuda
@@ -73,6 +74,7 @@ class ModelRunner:
         self.backend = make_backend(config.attention_backend, self.block_size, self.device, self.dtype,
                                     self.shape.head_dim)  # fmt: skip
         self.io = HostDevice(self.device)
+        self.decodes = DecodeBatch(self.block_size, self.backend)  # eager decode steps advanced in place
         self.prepare_cpu()
         install_paged_attention(model)
         self.lean = self.choose_forward()
@@ -177,19 +179,24 @@ class ModelRunner:
     def run(self, chunks: list[ScheduledChunk], embeddings: EmbeddingPool) -> RunOutput:
         """Compute ``chunks`` in one forward; logits only at the last token of the chunks that sample.
 
-        Decode-only steps go through the decode graphs when there are any; the rest run eagerly.
+        Decode-only steps go through the decode graphs when there are any; the rest run eagerly, a decode step of the
+        sequences of the last one advanced in place (``decodes``).
         """
         self.last_chunks = chunks
         bucket = self.graphs.bucket_for(chunks) if self.graphs is not None else None
         if bucket is not None:
+            self.decodes.forget()
             step = build_step_input(chunks, self.block_size, embeddings, self.graphs.padding(bucket, len(chunks)))
             self.backend.lay_out(step, self.graphs.table_width)
             step.close()
             logits = self.graphs.run(step, self.all_logits).index_select(0, self.graphs.sample_rows(step))
             return RunOutput(step.sampled, logits)
-        step = build_step_input(chunks, self.block_size, embeddings)
-        self.backend.lay_out(step)
-        step.close()
+        step = self.decodes.advance(chunks)
+        if step is None:
+            step = build_step_input(chunks, self.block_size, embeddings)
+            self.backend.lay_out(step)
+            step.close()
+            step = self.decodes.keep(step, chunks)
         packed = self.io.upload(step.ints, torch.int64)
         return RunOutput(step.sampled, self._sampled_logits(step, packed, self.backend.context(step, packed, self.kv)))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -51,6 +52,13 @@ class AttentionBackend(Protocol):
 
         ``table_width`` fixes the block-table width (graphs); None sizes it to the step.
         """
+        ...
+
+    def advance(self, step: StepInput, ints: np.ndarray, began: list[tuple[int, int, int]]) -> bool:
+        """Advance this backend's metadata in ``ints`` (the packed ints of ``step``, a kept decode-only step laid out
+        by ``lay_out``) by one token a row, each ``(row, index, block_id)`` of ``began`` a row whose new token
+        starts block ``block_id`` at table index ``index``; False, with nothing written, when the layout cannot
+        hold that (services/worker/engine/decode_batch.py lays the step out afresh then)."""
         ...
 
     def context(self, step: StepInput, packed: torch.Tensor, kv: KVCache) -> StepContext:

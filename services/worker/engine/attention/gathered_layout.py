@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from services.worker.engine.scheduler import ScheduledChunk
 from services.worker.engine.step_input import StepInput, extend_table
 
@@ -123,3 +125,25 @@ def split_points(widths: list[int], group_cost: int = GROUP_COST_BLOCKS, max_cut
         out.append(hi)
         hi = cut[hi]
     return out[::-1]
+
+
+def advance_gathered(step: StepInput, ints: np.ndarray, began: list[tuple[int, int, int]]) -> bool:
+    """Advance the decode groups of a kept decode-only ``step`` by one token a row in ``ints`` (its packed ints):
+    every context length one more, and block ``block_id`` at index ``index`` of row ``row``'s table for each
+    ``(row, index, block_id)`` in ``began`` (the rows whose token starts a block). False, with nothing written,
+    when such a block falls outside its group's padded width (the step is laid out afresh then)."""
+    layout: GatheredLayout = step.layout
+    writes, lo, groups = [], 0, iter(layout.decodes)
+    group = next(groups, None)
+    for row, index, block_id in began:  # rows ascending
+        while group is not None and row >= lo + group.num_rows:
+            lo += group.num_rows
+            group = next(groups, None)
+        if group is None or index >= group.width:
+            return False
+        writes.append((group.table_at + (row - lo) * group.width + index, block_id))
+    for group in layout.decodes:
+        ints[group.lengths_at : group.lengths_at + group.num_rows] += 1
+    for at, block_id in writes:
+        ints[at] = block_id
+    return True

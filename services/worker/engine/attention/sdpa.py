@@ -11,10 +11,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from services.worker.engine.attention.gathered_layout import GROUP_COST_BLOCKS, GatheredLayout, lay_out_gathered
+from services.worker.engine.attention.gathered_layout import (
+    GROUP_COST_BLOCKS,
+    GatheredLayout,
+    advance_gathered,
+    lay_out_gathered,
+)
 from services.worker.engine.attention.kv_cache import DIM_MAJOR_KEYS, HEAD_MAJOR, KVCache
 from services.worker.engine.decode_kernel import DecodeKernel
 from services.worker.engine.step_input import StepInput
@@ -74,6 +80,10 @@ class SdpaBackend:
 
     def lay_out(self, step: StepInput, table_width: int | None = None) -> None:
         lay_out_gathered(step, self.block_size, self.group_cost)
+
+    def advance(self, step: StepInput, ints: np.ndarray, began: list[tuple[int, int, int]]) -> bool:
+        """In a kept decode-only step (services/worker/engine/decode_batch.py): ``advance_gathered``."""
+        return advance_gathered(step, ints, began)
 
     def context(self, step: StepInput, packed: torch.Tensor, kv: KVCache) -> GatheredContext:
         """Decode groups and chunk spans as views of ``packed``; masks built once for all layers."""

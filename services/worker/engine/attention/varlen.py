@@ -11,9 +11,11 @@ of the step goes through one call per layer: no gathers, no masks (causality is 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from services.models.varlen_attention import VarlenFn
@@ -64,6 +66,24 @@ def lay_out_varlen(step: StepInput, block_size: int, table_width: int | None = N
     step.layout = VarlenLayout(len(q_lens), width, meta_at, max(q_lens), max_k)
 
 
+def advance_varlen(step: StepInput, ints: np.ndarray, began: list[tuple[int, int, int]]) -> bool:
+    """Advance the metadata of a kept decode-only ``step`` (no padded rows) by one token a row in ``ints`` (its packed
+    ints): each context length one more (and the cumulative ones), ``max_k`` with them, and block ``block_id`` at
+    index ``index`` of row ``row``'s table for each ``(row, index, block_id)`` in ``began``. False, with nothing
+    written, when such a block falls outside the table's width (the step is laid out afresh then)."""
+    layout: VarlenLayout = step.layout
+    seqs, width, at = layout.num_seqs, layout.width, layout.meta_at
+    if step.padding is not None or any(index >= width for _, index, _ in began):
+        return False
+    ints[at + seqs + 2 : at + 2 * seqs + 2] += np.arange(1, seqs + 1)  # cu_seq_k
+    ints[at + 2 * seqs + 2 : at + 3 * seqs + 2] += 1  # seqused_k
+    table_at = at + 3 * seqs + 2
+    for row, index, block_id in began:
+        ints[table_at + row * width + index] = block_id
+    step.layout = dataclasses.replace(layout, max_k=layout.max_k + 1)
+    return True
+
+
 @dataclass
 class VarlenContext:
     """One step of a varlen backend: K/V written through ``slot_mapping`` into the page pool, then one
@@ -109,6 +129,10 @@ class VarlenBackend:
 
     def lay_out(self, step: StepInput, table_width: int | None = None) -> None:
         lay_out_varlen(step, self.block_size, table_width)
+
+    def advance(self, step: StepInput, ints: np.ndarray, began: list[tuple[int, int, int]]) -> bool:
+        """In a kept decode-only step (services/worker/engine/decode_batch.py): ``advance_varlen``."""
+        return advance_varlen(step, ints, began)
 
     def context(self, step: StepInput, packed: torch.Tensor, kv: KVCache) -> VarlenContext:
         layout: VarlenLayout = step.layout
