@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.models.pixel_table import install_pixel_table
+
 
 @dataclass(frozen=True)
 class FolderParts:
@@ -57,7 +59,8 @@ def read_folder_dtype(model_dir: Path) -> str:
 
 
 def load_folder_parts(model_dir: Path) -> FolderParts:
-    """Load config, tokenizer and image processor from `model_dir`, and collect its eos token ids.
+    """Load config, tokenizer and image processor from `model_dir` (the processor with its pixel table where the probe
+    allows: services/models/pixel_table.py), and collect its eos token ids.
 
     Eos ids come from generation_config.json when present (the list `generate` stops on), else from
     the text config; duplicates are dropped, order kept.
@@ -68,6 +71,7 @@ def load_folder_parts(model_dir: Path) -> FolderParts:
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     image_processor = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
+    install_pixel_table(image_processor)  # rescale and normalise as one lookup where it gives the same bits
     eos: Any = None
     if (model_dir / "generation_config.json").is_file():
         eos = GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id
