@@ -11,8 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.models.pixel_table import install_pixel_table
-
 
 @dataclass(frozen=True)
 class FolderParts:
@@ -66,6 +64,8 @@ def load_folder_parts(model_dir: Path) -> FolderParts:
     the text config; duplicates are dropped, order kept.
     """
     from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer, GenerationConfig
+
+    from services.models.pixel_table import install_pixel_table  # PIL: not for readers of the settings alone
 
     model_dir = Path(model_dir)
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
