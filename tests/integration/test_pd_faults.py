@@ -180,6 +180,7 @@ def test_prefill_worker_stopped_past_the_kv_deadline(pd: PD, calm: list[list[int
     """SIGSTOP of the prefill worker mid-load: the requests it holds wait out the decode workers' KV deadline and
     fall back to a local prefill; once it resumes, its late pushes are dropped and it frees everything."""
     _settled(pd)
+    _router_pairs_the_prefill_worker(pd)  # restarted after the kill above: the router's view may not hold it yet
     start, moved = pd.sent(), pd.prefill_migrations()
     pid = pd.prefill.popen.pid
     sent_at_stop: list[float] = []
