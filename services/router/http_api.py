@@ -42,7 +42,6 @@ from services.router.http_errors import (
     too_large_body,
 )
 from services.router.openai_request import (
-    MAX_CONSTRAINT_BYTES,
     ChatCompletionRequest,
     CompletionRequest,
     completion_request,
@@ -60,6 +59,7 @@ from services.router.openai_response import (
     sse_all,
     token_count_json,
 )
+from services.router.openai_structured import MAX_CONSTRAINT_BYTES
 from services.router.openapi_doc import SUMMARIES, openapi_document
 from services.router.tokens_api import DetokenizeRequest, TokenizeRequest, Tokens, tokenize_json
 

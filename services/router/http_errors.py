@@ -20,9 +20,9 @@ import grpc
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
+from services.router.api_model import FieldError
 from services.router.errors import RequestError
 from services.router.fetch_policy import FetchError, FetchReason
-from services.router.openai_request import FieldError
 
 STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,

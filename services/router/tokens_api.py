@@ -16,15 +16,10 @@ from typing import Any, Protocol
 from pydantic import ConfigDict, Field, model_validator
 
 from services.common.rpc.epd.v1 import common_pb2, generation_pb2
+from services.router.api_model import ApiModel, FieldError, refusal
 from services.router.errors import invalid
-from services.router.openai_request import (
-    REFUSED,
-    ApiModel,
-    FieldError,
-    Message,
-    generation_messages,
-    refusal,
-)
+from services.router.openai_messages import Message, generation_messages
+from services.router.openai_request import REFUSED
 from services.router.text_prompt import prompt_token_ids
 
 INLINE = 8192
