@@ -19,7 +19,9 @@ of such messages is printed). The quiet gaps are the stream tokens' from a fifth
 burst, pooled over the episodes; an episode's burst window runs from the images' send to the last image's
 first token (all prefill done), and a gap is in it when it overlaps it. Printed per run: quiet ITL p50/p99,
 burst ITL p50/p99/max, each stream's worst stall per episode, the typical worst stall (per episode the
-median over streams, then the median over episodes), image TTFT p50/max, and total tokens/s: every output
+median over streams, then the median over episodes), the joined ITL p50/p99 (the streams' gaps after the window
+while the images still decode: every row decoding, no prefill left anywhere, so the floor that a split's decode
+steps alone leave), image TTFT p50/max, and total tokens/s: every output
 token that arrived after a burst's send over the time to the episode's last one, summed over episodes (the
 same work in both runs: the streams' remaining tokens and the images). Last line, JSON: `stall_ratio` per run
 (typical worst stall over the run's quiet p99), `throughput_ratio` (tokens/s over the no-target run's), and
@@ -128,6 +130,7 @@ def summarize(run: RunResult, settings: Settings) -> dict[str, float | list[floa
     skip = max(1, settings.quiet_tokens // 5)
     quiet: list[float] = []
     burst: list[float] = []
+    joined: list[float] = []  # the streams' gaps after the window while the images decode: no prefill left
     worst: list[list[float]] = []
     worst_at: list[float] = []  # per episode, when (after the burst's send) the streams' worst stall began
     ttfts: list[float] = []
@@ -141,6 +144,10 @@ def summarize(run: RunResult, settings: Settings) -> dict[str, float | list[floa
         worst.append([w for w, _ in worst_gaps])
         worst_at.append(statistics.median(end - w - ep.burst_at for w, end in worst_gaps))
         burst += [g for per_stream in gaps for g, _ in per_stream]
+        images_end = max(s.token_times[-1] for s in ep.images)
+        for s in ep.streams:
+            pairs = zip(s.token_times, s.token_times[1:], strict=False)
+            joined += [b - a for a, b in pairs if ep.window_end <= a and b <= images_end]
         ttfts += [s.token_times[0] - s.sent for s in ep.images]
         after = [t for s in ep.streams + ep.images for t in s.token_times if t > ep.burst_at]
         tokens += len(after)
@@ -155,6 +162,9 @@ def summarize(run: RunResult, settings: Settings) -> dict[str, float | list[floa
         "burst_itl_p50_ms": 1000 * percentile(burst, 50),
         "burst_itl_p99_ms": 1000 * percentile(burst, 99),
         "burst_itl_max_ms": 1000 * max(burst, default=0.0),
+        "joined_itl_p50_ms": 1000 * percentile(joined, 50),
+        "joined_itl_p99_ms": 1000 * percentile(joined, 99),
+        "joined_gaps": len(joined),
         "burst_window_ms": [round(1000 * (ep.window_end - ep.burst_at)) for ep in run.episodes],
         "worst_stall_ms": [[round(1000 * w, 1) for w in per_episode] for per_episode in worst],
         "typical_worst_stall_ms": 1000 * statistics.median(stalls),
@@ -447,7 +457,8 @@ def _print_run(name: str, figures: dict) -> None:
         f"{name:9s} quiet ITL p50 {f['quiet_itl_p50_ms']:6.2f} ms p99 {f['quiet_itl_p99_ms']:6.2f} "
         f"max {f['quiet_itl_max_ms']:6.1f} ms | burst ITL "
         f"p50 {f['burst_itl_p50_ms']:6.2f} p99 {f['burst_itl_p99_ms']:7.2f} max {f['burst_itl_max_ms']:7.2f} ms | "
-        f"typical worst stall {f['typical_worst_stall_ms']:6.1f} ms | image TTFT p50 {f['image_ttft_p50_ms']:.0f} "
+        f"typical worst stall {f['typical_worst_stall_ms']:6.1f} ms | joined ITL p50 {f['joined_itl_p50_ms']:6.2f} "
+        f"p99 {f['joined_itl_p99_ms']:6.2f} ms | image TTFT p50 {f['image_ttft_p50_ms']:.0f} "
         f"max {f['image_ttft_max_ms']:.0f} ms | {f['tokens_per_s']:.0f} tok/s | stall ratio {f['stall_ratio']:.2f}"
     )
     print(
