@@ -58,248 +58,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import re
-import statistics
 import tempfile
-import time
-import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import grpc
-
-from services.client import user_request
 from services.common.config import TRANSPORTS
-from services.common.grpc_server import channel_options
-from services.common.rpc.epd.v1 import generation_pb2_grpc
-from tests.bench.burst_clients import ImageSender, Stream, consume
-from tests.bench.workload import WORDS, percentile
-
-
-@dataclass(frozen=True)
-class Settings:
-    streams: int
-    images: int
-    image_size: tuple[int, int]
-    quiet_tokens: int
-    stream_tokens: int
-    image_tokens: int
-    bursts: int
-
-
-@dataclass
-class Episode:
-    """One burst: the streams, the images, and when the images were sent."""
-
-    streams: list[Stream]
-    images: list[Stream]
-    burst_at: float
-
-    @property
-    def window_end(self) -> float:
-        """The last image's first token: every image prefilled."""
-        return max(s.token_times[0] for s in self.images)
-
-
-@dataclass
-class RunResult:
-    """One cluster's run: its episodes, and its worker's step-cost metrics at the end."""
-
-    episodes: list[Episode]
-    worker_metrics: str = ""
-    load_average: float = 0.0  # the box's 1-minute load average at the end (other work on it skews everything)
-    remote_prefills: float = 0.0  # a P/D cluster's: requests its router had prefilled on the prefill worker
-
-
-CALIBRATION_EPISODES = 2
-"""Episodes of the no-target cluster whose pooled quiet inter-token p99 sets the target (~2,500 gaps: one
-episode's ~1,300 put the p99 anywhere from 9 to 15 ms on a 2-core box whose runs' p99 sat at 10-12)."""
-
-
-def _gaps(times: list[float], start: float, end: float) -> list[tuple[float, float]]:
-    """(gap, its end) for consecutive times whose gap overlaps ``[start, end]``."""
-    return [(b - a, b) for a, b in zip(times, times[1:], strict=False) if b > start and a < end]
-
-
-def summarize(run: RunResult, settings: Settings) -> dict[str, float | list[float]]:
-    """The run's figures (milliseconds, tokens/s) as printed and put in the JSON line: quiet gaps pooled over the
-    episodes; per episode the median over streams of their worst burst stall, and the run's typical one the
-    median over episodes; tokens/s over all episodes' after-burst time."""
-    skip = max(1, settings.quiet_tokens // 5)
-    quiet: list[float] = []
-    burst: list[float] = []
-    joined: list[float] = []  # the streams' gaps after the window while the images decode: no prefill left
-    worst: list[list[float]] = []
-    worst_at: list[float] = []  # per episode, when (after the burst's send) the streams' worst stall began
-    ttfts: list[float] = []
-    tokens = seconds = 0.0
-    for ep in run.episodes:
-        for s in ep.streams:
-            times = s.token_times[skip:]
-            quiet += [b - a for a, b in zip(times, times[1:], strict=False) if b <= ep.burst_at]
-        gaps = [_gaps(s.token_times, ep.burst_at, ep.window_end) for s in ep.streams]
-        worst_gaps = [max(g, default=(0.0, ep.burst_at)) for g in gaps]
-        worst.append([w for w, _ in worst_gaps])
-        worst_at.append(statistics.median(end - w - ep.burst_at for w, end in worst_gaps))
-        burst += [g for per_stream in gaps for g, _ in per_stream]
-        images_end = max(s.token_times[-1] for s in ep.images)
-        for s in ep.streams:
-            pairs = zip(s.token_times, s.token_times[1:], strict=False)
-            joined += [b - a for a, b in pairs if ep.window_end <= a and b <= images_end]
-        ttfts += [s.token_times[0] - s.sent for s in ep.images]
-        after = [t for s in ep.streams + ep.images for t in s.token_times if t > ep.burst_at]
-        tokens += len(after)
-        seconds += max(after) - ep.burst_at
-    quiet_p99 = percentile(quiet, 99)
-    stalls = [statistics.median(w) for w in worst]
-    return {
-        "quiet_itl_p50_ms": 1000 * percentile(quiet, 50),
-        "quiet_itl_p99_ms": 1000 * quiet_p99,
-        "quiet_itl_max_ms": 1000 * max(quiet, default=0.0),
-        "quiet_gaps": len(quiet),
-        "burst_itl_p50_ms": 1000 * percentile(burst, 50),
-        "burst_itl_p99_ms": 1000 * percentile(burst, 99),
-        "burst_itl_max_ms": 1000 * max(burst, default=0.0),
-        "joined_itl_p50_ms": 1000 * percentile(joined, 50),
-        "joined_itl_p99_ms": 1000 * percentile(joined, 99),
-        "joined_gaps": len(joined),
-        "burst_window_ms": [round(1000 * (ep.window_end - ep.burst_at)) for ep in run.episodes],
-        "worst_stall_ms": [[round(1000 * w, 1) for w in per_episode] for per_episode in worst],
-        "typical_worst_stall_ms": 1000 * statistics.median(stalls),
-        "worst_stall_began_ms": [round(1000 * t) for t in worst_at],
-        "image_ttft_p50_ms": 1000 * statistics.median(ttfts),
-        "image_ttft_max_ms": 1000 * max(ttfts),
-        "tokens_per_s": tokens / seconds,
-        "coalesced_messages": sum(s.coalesced for ep in run.episodes for s in ep.streams + ep.images),
-        "streams_outlasted_bursts": all(s.token_times[-1] >= ep.window_end for ep in run.episodes for s in ep.streams),
-        "stall_ratio": statistics.median(stalls) / quiet_p99 if quiet_p99 > 0 else float("nan"),
-        "load_average": run.load_average,
-    }
-
-
-def _prompt(i: int) -> str:
-    return f"stream {i}: " + " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(16))
-
-
-async def _episode(stubs: list, sender: ImageSender, settings: Settings, salt: str) -> Episode:
-    """Streams decode ``quiet_tokens`` tokens, then every image arrives at once; returns when all ended."""
-    streams = [Stream() for _ in range(settings.streams)]
-    ready = [asyncio.Event() for _ in streams]
-    tasks = []
-    for i, stream in enumerate(streams):
-        request = user_request(_prompt(i), max_tokens=settings.stream_tokens, cache_salt=salt)
-        request.sampling.ignore_eos = True
-        tasks.append(asyncio.create_task(consume(stubs[i], request, stream, ready[i], settings.quiet_tokens)))
-    await asyncio.gather(*(e.wait() for e in ready))
-    burst_at = time.perf_counter()
-    bursts, _ = await asyncio.gather(sender.burst(salt, settings.image_tokens), asyncio.gather(*tasks))
-    return Episode(streams, bursts, burst_at)
-
-
-class BenchCluster:
-    """A started cluster (a target set or not), a channel per stream, an image sender, the images' embeddings
-    cached."""
-
-    def __init__(self, cluster: Any, settings: Settings, images: list[bytes]) -> None:
-        self.cluster = cluster
-        self.settings = settings
-        options = [*channel_options(), ("grpc.use_local_subchannel_pool", 1)]
-        self.channels = [grpc.aio.insecure_channel(cluster.address, options=options) for _ in range(settings.streams)]
-        self.stubs = [generation_pb2_grpc.GenerationStub(c) for c in self.channels]
-        self.sender = ImageSender(cluster.address, images)
-        self.result = RunResult([])
-
-    @classmethod
-    async def open(
-        cls,
-        model: Path,
-        redis_url: str,
-        settings: Settings,
-        images: list[bytes],
-        target_ms: float,
-        env: dict[str, str],
-        prefill_workers: int = 0,
-        pd_min_prefill_tokens: int = 256,
-        pinned: bool = False,
-    ) -> BenchCluster:
-        from services.launch.local import ClusterSpec, start_cluster
-
-        env = {**env, "EPD_ITL_TARGET_MS": str(target_ms), "EPD_HTTP_PORT": "0"}
-        spec = ClusterSpec(
-            model,
-            redis_url=redis_url,
-            free_ports=True,
-            env=env,
-            prefill_workers=prefill_workers,
-            pd_min_prefill_tokens=pd_min_prefill_tokens,
-        )
-        starting = asyncio.get_running_loop().run_in_executor(None, start_cluster, spec)
-        try:
-            cluster = await asyncio.shield(starting)
-        except asyncio.CancelledError:  # interrupted while it starts: what it started stops with it
-            (await starting).stop()
-            raise
-        opened = cls(cluster, settings, images)
-        opened.pinned = pinned
-        try:
-            opened.pin()
-            if pinned:
-                print(f"pinned ({'P/D' if prefill_workers else 'co-located'}): {opened.affinities()}", flush=True)
-            await asyncio.gather(opened.sender.ready(), *(c.channel_ready() for c in opened.channels))
-            # the embeddings into the caches; each episode's own salt keeps its prompts out of the KV cache
-            await opened.sender.burst("warm", 1)
-        except BaseException:
-            await opened.close()
-            raise
-        return opened
-
-    pinned = False
-
-    def pin(self) -> None:
-        """With `pinned`: the workers that decode alone on the first core, everything else on the others."""
-        if self.pinned:
-            others = [self.cluster.router, *self.cluster.encoders, *self.cluster.prefill_workers]
-            pin_pools([p.popen.pid for p in self.cluster.workers], [os.getpid(), *(p.popen.pid for p in others)])
-
-    def affinities(self) -> str:
-        """Each service's cores as its threads have them now (the union over its threads)."""
-        import psutil
-
-        parts = []
-        for process in self.cluster.processes:
-            role = process.env.get("EPD_WORKER_ROLE", process.role) if process.role == "worker" else process.role
-            cores = {c for t in psutil.Process(process.popen.pid).threads() for c in os.sched_getaffinity(t.id)}
-            parts.append(f"{role} {sorted(cores)}")
-        return ", ".join(parts) + f", this process {sorted(os.sched_getaffinity(0))}"
-
-    def remote_prefills(self) -> float:
-        """Requests this cluster's router sent to a prefill worker that came back acknowledged."""
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.cluster.router.metrics_port}/metrics", timeout=10)
-        lines = text.read().decode().splitlines()
-        return sum(
-            float(x.rsplit(" ", 1)[1])
-            for x in lines
-            if x.startswith("epd_remote_prefills_total{") and 'outcome="sent"' in x
-        )
-
-    async def episode(self, salt: str) -> None:
-        self.pin()  # threads started since (torch's, gRPC's) inherit from pinned ones; set again anyway
-        self.result.episodes.append(await _episode(self.stubs, self.sender, self.settings, salt))
-        self.result.load_average = max(self.result.load_average, os.getloadavg()[0])
-
-    async def close(self) -> None:
-        """The workers' step metrics read, the clients closed, the cluster stopped: that last whatever happened
-        before it (an interrupted bench leaves no service running)."""
-        try:
-            self.result.worker_metrics = _scrape_step_metrics(self.cluster.workers[0].metrics_port)
-            if self.cluster.prefill_workers:
-                self.result.remote_prefills = self.remote_prefills()
-            await self.sender.close()
-            await asyncio.gather(*(c.close() for c in self.channels))
-        finally:
-            self.cluster.stop()  # on this thread: an await here could be cancelled again
+from tests.bench.burst_clusters import BenchCluster, metric
+from tests.bench.burst_figures import CALIBRATION_EPISODES, RunResult, Settings, print_run, summarize
 
 
 async def run_both(
@@ -336,30 +100,6 @@ async def run_both(
     finally:
         await plain.close()
     return plain.result, targeted.result, target_ms
-
-
-def pin_pools(alone: list[int], others: list[int]) -> None:
-    """Every thread of the processes `alone` (with their children) on the first core, every thread of `others` on
-    the rest: `os.sched_setaffinity` acts on one thread, so each is set. This process is among `others`: of its
-    children only those that are no epd service (its image sender, Redis) go with it, the services being pinned
-    by their own cluster's call. Nothing on a one-core box."""
-    import psutil
-
-    cores = sorted(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1)))
-    if len(cores) < 2:
-        return
-    for pids, where in ((others, set(cores[1:])), (alone, {cores[0]})):
-        for pid in pids:
-            try:
-                process = psutil.Process(pid)
-                tree = [process, *process.children(recursive=pid != os.getpid())]
-                if pid == os.getpid():
-                    tree = [p for p in tree if "services.cli" not in " ".join(p.cmdline())]
-                for each in tree:
-                    for thread in each.threads():
-                        os.sched_setaffinity(thread.id, where)
-            except (psutil.NoSuchProcess, ProcessLookupError, PermissionError):
-                continue  # a thread or process that ended meanwhile
 
 
 async def run_pd(
@@ -401,11 +141,11 @@ def _pd_report(
     """The figures of every run and the P/D comparison, as printed and in the JSON line (the first P/D run's
     figures also under the keys a single P/D run has)."""
     local = summarize(colocated, settings)
-    _print_run("co-located", local)
+    print_run("co-located", local)
     runs = {}
     for transport, split in splits.items():
         runs[transport] = pd = summarize(split, settings)
-        _print_run(f"P/D ({transport})", pd)
+        print_run(f"P/D ({transport})", pd)
         pd["remote_prefills"] = split.remote_prefills
         pd["ttft_cost"] = pd["image_ttft_p50_ms"] / local["image_ttft_p50_ms"]
     first = next(iter(runs))
@@ -434,39 +174,6 @@ def _pd_report(
             f"{figures['remote_prefills']:.0f} remote prefills"
         )
     return report
-
-
-def _scrape_step_metrics(port: int) -> str:
-    """The worker's step-cost lines from its Prometheus endpoint (coefficients, chosen budgets)."""
-    if port <= 0:
-        return ""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    wanted = re.compile(r"^epd_step_(cost_coefficient|prefill_budget_tokens_(count|sum)|time_ratio_(count|sum))")
-    return "\n".join(line for line in text.splitlines() if wanted.match(line))
-
-
-def _metric(text: str, name: str) -> float:
-    """The value of an unlabelled (but for OpenTelemetry's scope) sample in a Prometheus text, 0 when absent."""
-    found = re.search(rf"^{name}{{[^}}]*}} (\S+)$", text, flags=re.MULTILINE)
-    return float(found.group(1)) if found else 0.0
-
-
-def _print_run(name: str, figures: dict) -> None:
-    f = figures
-    print(
-        f"{name:9s} quiet ITL p50 {f['quiet_itl_p50_ms']:6.2f} ms p99 {f['quiet_itl_p99_ms']:6.2f} "
-        f"max {f['quiet_itl_max_ms']:6.1f} ms | burst ITL "
-        f"p50 {f['burst_itl_p50_ms']:6.2f} p99 {f['burst_itl_p99_ms']:7.2f} max {f['burst_itl_max_ms']:7.2f} ms | "
-        f"typical worst stall {f['typical_worst_stall_ms']:6.1f} ms | joined ITL p50 {f['joined_itl_p50_ms']:6.2f} "
-        f"p99 {f['joined_itl_p99_ms']:6.2f} ms | image TTFT p50 {f['image_ttft_p50_ms']:.0f} "
-        f"max {f['image_ttft_max_ms']:.0f} ms | {f['tokens_per_s']:.0f} tok/s | stall ratio {f['stall_ratio']:.2f}"
-    )
-    print(
-        f"{name:9s} bursts' prefill windows (ms): {f['burst_window_ms']}; worst stall per stream (ms): "
-        f"{f['worst_stall_ms']}, beginning {f['worst_stall_began_ms']} ms after the burst; messages carrying "
-        f"several tokens: {f['coalesced_messages']}; streams outlasted the bursts: {f['streams_outlasted_bursts']}; "
-        f"load average {f['load_average']:.1f}"
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -558,12 +265,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(_pd_report(colocated, splits, settings, args.pd_min_prefill_tokens, args.itl_target_ms)))
         return 0
     base, with_target = summarize(plain, settings), summarize(targeted, settings)
-    _print_run("no target", base)
-    _print_run("target", with_target)
+    print_run("no target", base)
+    print_run("target", with_target)
     print(f"with EPD_ITL_TARGET_MS={target_ms:g}, the worker's step-cost metrics:\n{targeted.worker_metrics}")
-    budgets = _metric(targeted.worker_metrics, "epd_step_prefill_budget_tokens_count")
+    budgets = metric(targeted.worker_metrics, "epd_step_prefill_budget_tokens_count")
     with_target["budgeted_steps"] = budgets
-    budgeted = _metric(targeted.worker_metrics, "epd_step_prefill_budget_tokens_sum")
+    budgeted = metric(targeted.worker_metrics, "epd_step_prefill_budget_tokens_sum")
     with_target["mean_prefill_budget"] = budgeted / budgets if budgets else 0.0
     with_target["throughput_ratio"] = with_target["tokens_per_s"] / base["tokens_per_s"]
     with_target["target_over_quiet_p99"] = target_ms / with_target["quiet_itl_p99_ms"]
