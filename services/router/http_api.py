@@ -13,33 +13,35 @@ names (services/router/http_errors.py); a 405 names the allowed methods in `Allo
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
-from pydantic_core import from_json
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
-from starlette.types import Receive, Scope, Send
 
 from services.common.rpc.epd.v1 import generation_pb2
 from services.common.rpc_context import bind_incoming
-from services.router.constraint_size import ConstraintTooLarge, oversized_in_body
 from services.router.errors import RequestError
 from services.router.http_errors import (
     HttpError,
     from_request_error,
-    from_validation,
     internal,
-    too_large_body,
+)
+from services.router.http_exchange import (
+    ClientGone,
+    EventStream,
+    collect,
+    events,
+    guarded,
+    parse,
+    read_body,
 )
 from services.router.openai_request import (
     ChatCompletionRequest,
@@ -48,23 +50,19 @@ from services.router.openai_request import (
     generate_request,
 )
 from services.router.openai_response import (
-    DONE,
     ChunkWriter,
     CompletionBuilder,
     Envelope,
     StreamUsage,
     TextChunkWriter,
     TextCompletionBuilder,
-    sse,
-    sse_all,
     token_count_json,
 )
-from services.router.openai_structured import MAX_CONSTRAINT_BYTES
 from services.router.openapi_doc import SUMMARIES, openapi_document
 from services.router.tokens_api import DetokenizeRequest, TokenizeRequest, Tokens, tokenize_json
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 DEADLINE_GRACE_S = 1.0  # the worker call's own deadline (the same timeout) ends a request first, with its message
 CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never read by anyone
 
@@ -105,119 +103,6 @@ class HttpApi:
 def served_model_id(model_dir: Path) -> str:
     """The model's id on the API: the model folder's name (e.g. `Qwen2-VL-7B-Instruct`)."""
     return model_dir.resolve().name
-
-
-def max_body_bytes(max_request_bytes: int) -> int:
-    """Largest JSON body accepted: the media bytes allowed per request as base64, plus 1 MiB of text."""
-    return max_request_bytes * 4 // 3 + (1 << 20)
-
-
-class ClientGone(Exception):
-    """The client disconnected before its answer was ready."""
-
-
-class EventStream(StreamingResponse):
-    """Server-sent events; the body generator is closed on every exit, a dropped client included."""
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def guarded(request: Request, work: Awaitable[T], timeout_s: float) -> T:
-    """Await `work` unless the client disconnects first (ClientGone) or `timeout_s` passes (504); either way
-    `work` is cancelled, which cancels its generation."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        task.cancel()  # no-op when it finished
-    if task in done:
-        return task.result()
-    with contextlib.suppress(asyncio.CancelledError, RequestError):
-        await task  # let the cancellation reach the worker call before answering
-    if watcher in done:
-        raise ClientGone
-    raise HttpError(504, "request did not finish within the router's request timeout", "deadline_exceeded")
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it is known to pass `limit` bytes."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large_body(limit)
-    pieces, size = [], 0
-    async for piece in request.stream():  # joined once at the end: a bytearray grown piece by piece copied
-        pieces.append(piece)  # a 10 MB body ~9 times over (20 ms here)
-        size += len(piece)
-        if size > limit:
-            raise too_large_body(limit)
-    return b"".join(pieces)
-
-
-async def _collect(stream: AsyncIterator[generation_pb2.GenerateResponse], builder: CompletionBuilder) -> None:
-    async with contextlib.aclosing(stream):
-        async for response in stream:
-            builder.add(response)
-
-
-async def _events(
-    first: generation_pb2.GenerateResponse,
-    stream: AsyncIterator[generation_pb2.GenerateResponse],
-    writer: ChunkWriter,
-) -> AsyncIterator[bytes]:
-    """The SSE body: the role chunk, a chunk per response, then `[DONE]`; a failure mid-stream is sent
-    as an error event (the status line has gone already). The events of one response go out as one piece
-    (the role chunk with the first response's, `[DONE]` with the last's): one socket write each."""
-    async with contextlib.aclosing(stream):
-        pending = sse_all(writer.start())  # goes out with the first response's events
-        response: generation_pb2.GenerateResponse | None = first
-        while response is not None:
-            events, pending = pending + sse_all(writer.add(response)), b""
-            if response.HasField("final"):
-                pending = events  # goes out with [DONE]
-            elif events:
-                yield events
-            try:
-                response = await anext(stream, None)
-            except RequestError as exc:
-                pending += sse(from_request_error(exc).body())
-                break
-            except Exception:
-                log.exception("HTTP stream failed unexpectedly")
-                pending += sse(internal().body())
-                break
-        yield pending + DONE
-
-
-M = TypeVar("M", bound=BaseModel)
-
-
-def parse(model: type[M], raw: bytes, max_constraint_bytes: int | None = None) -> M:
-    """`raw` as a `model` body; HttpError (400) naming the field at fault. A structured-output constraint
-    surely over `max_constraint_bytes` is refused before the body is validated (`oversized_in_body`)."""
-    try:
-        oversized_in_body(raw, max_constraint_bytes)
-        return model.model_validate_json(raw, context={MAX_CONSTRAINT_BYTES: max_constraint_bytes})
-    except ConstraintTooLarge as exc:
-        raise HttpError(400, str(exc), "invalid_argument", param=exc.field) from None
-    except ValidationError as exc:
-        try:  # pydantic's own parser: ~15x json's speed on a body of long strings (a 10 MB schema: 1.4 ms)
-            sent = from_json(raw)
-        except ValueError:  # a body nested past the parser's limit: pydantic said so
-            sent = None
-        raise from_validation(exc, sent) from exc
 
 
 class Routes:
@@ -291,7 +176,7 @@ class Routes:
         if first is None:
             raise internal()
         headers = {"X-Request-Id": proto.request_id, "Cache-Control": "no-cache"}
-        return EventStream(_events(first, stream, writer), headers=headers)
+        return EventStream(events(first, stream, writer), headers=headers)
 
     async def _whole(
         self,
@@ -303,7 +188,7 @@ class Routes:
     ) -> Response:
         stream = self.api.generation.generate_stream(proto, None, tenant)
         try:
-            await guarded(request, _collect(stream, builder), self.api.request_timeout_s + DEADLINE_GRACE_S)
+            await guarded(request, collect(stream, builder), self.api.request_timeout_s + DEADLINE_GRACE_S)
         except RequestError as exc:
             raise from_request_error(exc, names) from exc
         return JSONResponse(builder.result(), headers={"X-Request-Id": proto.request_id})

@@ -20,7 +20,8 @@ import uvicorn
 from services.common.model_info import ModelInfo
 from services.common.tls import TlsFiles, ssl_context
 from services.router.config import RouterConfig
-from services.router.http_api import Generation, HttpApi, Workers, build_app, max_body_bytes, served_model_id
+from services.router.http_api import Generation, HttpApi, Workers, build_app, served_model_id
+from services.router.http_exchange import max_body_bytes
 from services.router.metrics import RouterMetrics
 from services.router.tokens_api import Preparing, Tokens
 

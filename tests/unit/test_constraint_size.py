@@ -13,8 +13,8 @@ import pytest
 
 from services.common.grammar import json_text_exceeds
 from services.router.constraint_size import CONSTRAINT_PATHS, ConstraintTooLarge, oversized_in_body
-from services.router.http_api import parse
 from services.router.http_errors import HttpError
+from services.router.http_exchange import parse
 from services.router.http_server import listen_socket
 from services.router.openai_request import ChatCompletionRequest, CompletionRequest
 

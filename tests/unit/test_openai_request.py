@@ -11,8 +11,9 @@ import pytest
 
 from services.common.rpc.epd.v1 import common_pb2, generation_pb2
 from services.router.errors import RequestError, invalid
-from services.router.http_api import HttpApi, build_app, parse
+from services.router.http_api import HttpApi, build_app
 from services.router.http_errors import HttpError, from_request_error
+from services.router.http_exchange import parse
 from services.router.openai_request import (
     REFUSED,
     ChatCompletionRequest,

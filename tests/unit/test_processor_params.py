@@ -116,8 +116,8 @@ def test_the_http_fields_map_onto_the_grpc_ones_and_are_checked_the_same() -> No
     naming the field (the router's message in the HTTP field's name)."""
     import json
 
-    from services.router.http_api import parse
     from services.router.http_errors import HttpError, from_request_error
+    from services.router.http_exchange import parse
     from services.router.openai_request import (
         ChatCompletionRequest,
         CompletionRequest,
