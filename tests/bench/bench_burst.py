@@ -17,7 +17,9 @@ worker sends a step's tokens as they are sampled, one message per request, coale
 its event loop was behind (then a k-token message is one gap and k - 1 zero gaps, what a user sees; the count
 of such messages is printed). The quiet gaps are the stream tokens' from a fifth of `--quiet-tokens` to the
 burst, pooled over the episodes; an episode's burst window runs from the images' send to the last image's
-first token (all prefill done), and a gap is in it when it overlaps it. Printed per run: quiet ITL p50/p99,
+first token (all prefill done), and a gap is in it when it overlaps it. Printed per run: quiet ITL p50/p99/max
+and the quiet typical worst gap (the statistic below over each episode's quiet gaps, ~160 a stream against the
+window's ~300-400: what a run without any burst reads, its ratio to the quiet p99 the floor of the stall ratio),
 burst ITL p50/p99/max, each stream's worst stall per episode, the typical worst stall (per episode the
 median over streams, then the median over episodes), the joined ITL p50/p99 (the streams' gaps after the window
 while the images still decode: every row decoding, no prefill left anywhere, so the floor that a split's decode

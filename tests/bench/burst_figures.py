@@ -68,13 +68,18 @@ def summarize(run: RunResult, settings: Settings) -> dict[str, float | list[floa
     burst: list[float] = []
     joined: list[float] = []  # the streams' gaps after the window while the images decode: no prefill left
     worst: list[list[float]] = []
+    quiet_worst: list[float] = []  # per episode, the median over streams of their worst quiet gap: the noise floor
     worst_at: list[float] = []  # per episode, when (after the burst's send) the streams' worst stall began
     ttfts: list[float] = []
     tokens = seconds = 0.0
     for ep in run.episodes:
+        per_stream_worst = []
         for s in ep.streams:
             times = s.token_times[skip:]
-            quiet += [b - a for a, b in zip(times, times[1:], strict=False) if b <= ep.burst_at]
+            gaps_before = [b - a for a, b in zip(times, times[1:], strict=False) if b <= ep.burst_at]
+            quiet += gaps_before
+            per_stream_worst.append(max(gaps_before, default=0.0))
+        quiet_worst.append(statistics.median(per_stream_worst))
         gaps = [_gaps(s.token_times, ep.burst_at, ep.window_end) for s in ep.streams]
         worst_gaps = [max(g, default=(0.0, ep.burst_at)) for g in gaps]
         worst.append([w for w, _ in worst_gaps])
@@ -95,6 +100,8 @@ def summarize(run: RunResult, settings: Settings) -> dict[str, float | list[floa
         "quiet_itl_p99_ms": 1000 * quiet_p99,
         "quiet_itl_max_ms": 1000 * max(quiet, default=0.0),
         "quiet_gaps": len(quiet),
+        "quiet_typical_worst_ms": 1000 * statistics.median(quiet_worst),
+        "quiet_stall_ratio": statistics.median(quiet_worst) / quiet_p99 if quiet_p99 > 0 else float("nan"),
         "burst_itl_p50_ms": 1000 * percentile(burst, 50),
         "burst_itl_p99_ms": 1000 * percentile(burst, 99),
         "burst_itl_max_ms": 1000 * max(burst, default=0.0),
@@ -120,7 +127,8 @@ def print_run(name: str, figures: dict) -> None:
     f = figures
     print(
         f"{name:9s} quiet ITL p50 {f['quiet_itl_p50_ms']:6.2f} ms p99 {f['quiet_itl_p99_ms']:6.2f} "
-        f"max {f['quiet_itl_max_ms']:6.1f} ms | burst ITL "
+        f"max {f['quiet_itl_max_ms']:6.1f} ms typical worst {f['quiet_typical_worst_ms']:5.1f} ms "
+        f"({f['quiet_stall_ratio']:.2f}x) | burst ITL "
         f"p50 {f['burst_itl_p50_ms']:6.2f} p99 {f['burst_itl_p99_ms']:7.2f} max {f['burst_itl_max_ms']:7.2f} ms | "
         f"typical worst stall {f['typical_worst_stall_ms']:6.1f} ms | joined ITL p50 {f['joined_itl_p50_ms']:6.2f} "
         f"p99 {f['joined_itl_p99_ms']:6.2f} ms | image TTFT p50 {f['image_ttft_p50_ms']:.0f} "
