@@ -13,14 +13,11 @@ import torch
 
 from services.common.kv_blocks import request_blocks
 from services.common.kv_layout import KVLayout
-from services.models.base import placeholder_token_id
-from services.models.media_span import MediaSpan
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.embeddings import EmbeddingPool, EmbeddingStats
 from services.worker.engine.itl_target import ItlTarget
 from services.worker.engine.kv_connector import KVChunk, KVConnector
-from services.worker.engine.logits_processors import check_token_ids
 from services.worker.engine.request import (
     KV_RECEIVE,
     EngineRequest,
@@ -29,6 +26,7 @@ from services.worker.engine.request import (
     SamplingOptions,
     StepOutput,
 )
+from services.worker.engine.request_checks import check_request, check_rows, item_rows
 from services.worker.engine.sampler import Sampler, reseed_for_position
 from services.worker.engine.scheduler import Scheduler, SchedulerOutput
 from services.worker.engine.sequence import Sequence, request_choices
@@ -159,7 +157,7 @@ class Engine:
         for seq in self._sequences():
             rows = item_rows(seq.media, mm_hash)
             if rows:
-                _check_rows(mm_hash, rows, seq.request_id, tensor, self.adapter.embedding_width)
+                check_rows(mm_hash, rows, seq.request_id, tensor, self.adapter.embedding_width)
         self.embeddings.provide(mm_hash, tensor)
         self._stalled = False
 
@@ -354,7 +352,7 @@ class Engine:
         for mm_hash in dict.fromkeys(item.mm_hash for item in first.media):
             known = self.embeddings.peek(mm_hash)
             if known is not None:
-                _check_rows(
+                check_rows(
                     mm_hash, item_rows(first.media, mm_hash), first.request_id, known, self.adapter.embedding_width
                 )
         if request.kv_transfer is not None:
@@ -395,32 +393,9 @@ class Engine:
 
     def _validate(self, seq: Sequence, num_blocks: int) -> None:
         """Checks on choice 0 (the others have the same prompt); ``num_blocks``: what all the choices reserve."""
-        if not seq.token_ids:
-            raise ValueError(f"request {seq.request_id!r} has no prompt tokens")
-        if seq.max_num_tokens > self.max_model_len:
-            raise ValueError(
-                f"request {seq.request_id!r}: {seq.num_prompt_tokens} prompt + {seq.sampling.max_tokens} "
-                f"new tokens exceed the model's {self.max_model_len}"
-            )
-        self._validate_media(seq)
-        check_token_ids(seq.sampling, self.vocab_size, seq.token_ids[seq.output_start :])
+        check_request(seq, self.adapter, self.max_model_len, self.vocab_size)
         projected = seq.num_prompt_tokens + max(seq.sampling.n, 1) * seq.sampling.max_tokens
         self.scheduler.ledger.check_fits(seq.request_id, num_blocks, projected)
-
-    def _validate_media(self, seq: Sequence) -> None:
-        end, prompt = 0, seq.num_prompt_tokens - seq.num_generated_before  # media lies in the request's own prompt
-        for item in seq.media:
-            if item.offset < end or item.num_tokens <= 0 or item.offset + item.num_tokens > prompt:
-                raise ValueError(
-                    f"request {seq.request_id!r}: media item at {item.offset} (+{item.num_tokens}) overlaps, "
-                    f"is out of order or runs past the prompt"
-                )
-            end = item.offset + item.num_tokens
-            placeholder = placeholder_token_id(self.adapter, item.modality)  # ValueError for a modality it lacks
-            if any(t != placeholder for t in seq.token_ids[item.offset : end]):
-                raise ValueError(
-                    f"request {seq.request_id!r}: {item.modality} item at {item.offset} covers other tokens"
-                )
 
 
 def _stops_over_min_tokens(seqs: list[Sequence], options: list[SamplingOptions], mask: StepMask) -> None:
@@ -431,18 +406,3 @@ def _stops_over_min_tokens(seqs: list[Sequence], options: list[SamplingOptions],
         pending = opts.min_tokens and len(seq.token_ids) - seq.output_start < opts.min_tokens
         if pending and mask.only_stop_allowed(j):
             options[i] = dataclasses.replace(opts, min_tokens=0)
-
-
-def item_rows(media: list[MediaSpan], mm_hash: str) -> int:
-    """The embedding rows of item ``mm_hash`` that ``media`` covers (its spans' last ``item_end``); 0 if none."""
-    return max((span.item_end for span in media if span.mm_hash == mm_hash), default=0)
-
-
-def _check_rows(mm_hash: str, rows: int, request_id: str, tensor: torch.Tensor, width: int) -> None:
-    """An item's embedding must be its ``rows`` at the adapter's `embedding_width` (a tensor of another layout, say
-    one without DeepStack levels, is refused here rather than failing a step)."""
-    if tensor.dim() != 2 or tuple(tensor.shape) != (rows, width):
-        raise ValueError(
-            f"embedding {mm_hash[:16]} has shape {tuple(tensor.shape)}, request {request_id!r} "
-            f"expects {rows} rows of {width}"
-        )
