@@ -44,6 +44,10 @@ class EngineConfig:
     predicts keep the step within it, at least one block's worth (``itl_target.py``); with both set, the
     smaller cap wins. With no decode running, prefill takes the whole budget either way.
 
+    ``prefill_threads`` (0: automatic) are the intra-op CPU threads of a step of at least 256 tokens, the process's
+    own for the others (step_threads.py): by default twice the process's, at most the cores it may use, so a
+    prefill borrows a core the rest of the box leaves idle while the engine computes.
+
     ``attention_backend`` names one of ``ATTENTION_BACKENDS`` (services/worker/engine/attention/): ``"auto"``
     picks, on CUDA in float16/bfloat16, ``flash`` where torch's ``varlen_attn`` takes a block table, else
     ``triton`` where Triton imports, else ``sdpa`` (``sdpa`` in float32 too); on the CPU the compiled
@@ -91,6 +95,12 @@ class EngineConfig:
     itl_target_ms: float = field(
         default=0.0,
         metadata={"help": "inter-token latency target: prefill per step sized to keep decode steps under it (0: off)"},
+    )
+    prefill_threads: int = field(
+        default=0,
+        metadata={
+            "help": "CPU threads of a step of 256 tokens or more (prefill); 0: twice the process's, at most its cores"
+        },
     )
     embedding_buffer_bytes: int = field(default=256 * 1024 * 1024, metadata={"help": "embeddings held for prefill"})
     seed: int = field(default=0, metadata={"help": "the engine's sampling seed for unseeded requests"})
@@ -146,6 +156,8 @@ class EngineConfig:
             raise ValueError(f"{name('prefill_tokens_per_free_seq')} must be >= 0")
         if not self.itl_target_ms >= 0:
             raise ValueError(f"{name('itl_target_ms')} must be >= 0 (0: off), got {self.itl_target_ms}")
+        if self.prefill_threads < 0:
+            raise ValueError(f"{name('prefill_threads')} must be >= 0 (0: automatic), got {self.prefill_threads}")
         if self.embedding_buffer_bytes < 0:
             raise ValueError(f"{name('embedding_buffer_bytes')} must be >= 0")
         for key in ("grammar_cache_entries", "grammar_cache_bytes"):

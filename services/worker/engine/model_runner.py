@@ -34,6 +34,7 @@ from services.worker.engine.sampler import filter_top_k_top_p
 from services.worker.engine.scheduler import ScheduledChunk
 from services.worker.engine.sequence import Sequence
 from services.worker.engine.step_input import StepInput, build_step_input
+from services.worker.engine.step_threads import StepThreads, resolve_threads
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class ModelRunner:
         self.backend = make_backend(config.attention_backend, self.block_size, self.device, self.dtype,
                                     self.shape.head_dim)  # fmt: skip
         self.io = HostDevice(self.device)
+        self.threads = StepThreads(resolve_threads(config.prefill_threads, self.device, config.tensor_parallel_size))
         self.decodes = DecodeBatch(self.block_size, self.backend)  # eager decode steps advanced in place
         self.prepare_cpu()
         install_paged_attention(model)
@@ -180,7 +182,7 @@ class ModelRunner:
         """Compute ``chunks`` in one forward; logits only at the last token of the chunks that sample.
 
         Decode-only steps go through the decode graphs when there are any; the rest run eagerly, a decode step of the
-        sequences of the last one advanced in place (``decodes``).
+        sequences of the last one advanced in place (``decodes``); a large eager step with ``threads``' count.
         """
         self.last_chunks = chunks
         bucket = self.graphs.bucket_for(chunks) if self.graphs is not None else None
@@ -198,7 +200,9 @@ class ModelRunner:
             step.close()
             step = self.decodes.keep(step, chunks)
         packed = self.io.upload(step.ints, torch.int64)
-        return RunOutput(step.sampled, self._sampled_logits(step, packed, self.backend.context(step, packed, self.kv)))
+        with self.threads.for_step(step.num_tokens):
+            logits = self._sampled_logits(step, packed, self.backend.context(step, packed, self.kv))
+        return RunOutput(step.sampled, logits)
 
     @torch.inference_mode()
     def staged_forward(self, chunks: list[ScheduledChunk], embeddings: EmbeddingPool) -> Callable[[], torch.Tensor]:

@@ -1,0 +1,71 @@
+"""A large step runs with the larger thread count and the process's own is back after it, whatever happens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine.request import EngineRequest, SamplingOptions
+from services.worker.engine.step_threads import LARGE_STEP_TOKENS, StepThreads, resolve_threads, usable_cores
+from tests.engine_support import Result, drain
+
+
+@pytest.fixture()
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_automatic_is_twice_the_process_threads_at_most_its_cores(one_thread: None) -> None:
+    cpu = torch.device("cpu")
+    assert resolve_threads(0, cpu, 1) == min(2, usable_cores())
+    assert resolve_threads(3, cpu, 1) == 3  # asked for: taken as given
+    assert resolve_threads(0, torch.device("cuda"), 1) == 1  # the step's work is on the device
+    assert resolve_threads(0, cpu, 2) == 1  # tensor-parallel ranks share the cores
+
+
+def test_a_large_step_takes_the_threads_and_gives_them_back(one_thread: None) -> None:
+    threads = StepThreads(2)
+    with threads.for_step(LARGE_STEP_TOKENS - 1):
+        assert torch.get_num_threads() == 1
+    with threads.for_step(LARGE_STEP_TOKENS):
+        assert torch.get_num_threads() == 2
+    assert torch.get_num_threads() == 1
+    with pytest.raises(RuntimeError), threads.for_step(4096):
+        raise RuntimeError("a step failed")
+    assert torch.get_num_threads() == 1
+
+
+def test_negative_threads_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="prefill_threads must be >= 0"):
+        EngineConfig(prefill_threads=-1)
+
+
+def test_the_engine_prefills_with_the_threads_and_decodes_with_its_own(
+    loaded: tuple[Any, Any], one_thread: None
+) -> None:
+    """A 300-token prompt's prefill step runs at two threads, its decode steps at one, and the tokens are the same
+    as with one thread throughout."""
+    adapter, model = loaded
+    prompt = adapter.tokenizer(" ".join(["word"] * 300))["input_ids"]
+    assert len(prompt) >= LARGE_STEP_TOKENS
+    tokens, seen = {}, []
+    for threads in (2, 1):
+        engine = Engine(adapter, model, EngineConfig(prefill_threads=threads))  # packs the model's linear layers
+        hook = model.lm_head.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+        try:
+            engine.add_request(EngineRequest(f"t{threads}", prompt, [], SamplingOptions(max_tokens=4, ignore_eos=True)))
+            results: dict[str, Result] = {}
+            seen.clear()
+            drain(engine, results)
+        finally:
+            hook.remove()
+        tokens[threads] = results[f"t{threads}"].tokens
+        assert seen == [threads, 1, 1, 1]  # the prefill step (which samples the first token), then 3 decodes
+    assert tokens[2] == tokens[1] and len(tokens[1]) == 4
