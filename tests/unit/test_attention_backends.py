@@ -202,3 +202,26 @@ def test_a_short_chunk_in_the_kernels_form_has_a_length_per_row_at_any_context(c
     [chunk] = backend.context(SimpleNamespace(layout=layout, num_tokens=rows), packed, kv).chunks  # type: ignore[arg-type]
     assert chunk.lengths is not None and chunk.lengths.tolist() == list(range(context_len - rows + 1, context_len + 1))
     assert chunk.block_ids.tolist() == list(range(2 * rows, 2 * rows + blocks)) * rows
+
+
+def test_a_fresh_chunk_goes_through_the_kernel_only_with_cpu_kernel() -> None:
+    """A chunk with nothing cached before it: cpu-kernel lays it out as one decode row per token over the chunk's
+    own blocks (row r over its first r + 1 tokens); sdpa keeps one plain causal call over the chunk's K/V."""
+    from types import SimpleNamespace
+
+    from services.worker.engine.attention.cpu_kernel import CpuKernelBackend
+    from services.worker.engine.attention.gathered_layout import ChunkRows, GatheredLayout
+    from services.worker.engine.attention.sdpa import SdpaBackend
+
+    size, rows = 16, 40
+    blocks = -(-rows // size)
+    layout = GatheredLayout(chunks=[ChunkRows(0, rows, rows, 2 * rows, blocks)])
+    packed = torch.arange(2 * rows + blocks, dtype=torch.int64)
+    kv = SimpleNamespace(keys=[torch.zeros(1, blocks, 64, size)], layout="head-major")
+    step = SimpleNamespace(layout=layout, num_tokens=rows)
+    kernel = CpuKernelBackend(size, CPU, torch.float32, kernel=None)  # type: ignore[arg-type]
+    [chunk] = kernel.context(step, packed, kv).chunks  # type: ignore[arg-type]
+    assert chunk.lengths is not None and chunk.lengths.tolist() == list(range(1, rows + 1))
+    assert chunk.block_ids.tolist() == list(range(2 * rows, 2 * rows + blocks)) * rows
+    [plain] = SdpaBackend(size, CPU, torch.float32).context(step, packed, kv).chunks  # type: ignore[arg-type]
+    assert plain.lengths is None and plain.block_ids is None and plain.mask is None

@@ -153,3 +153,37 @@ def test_both_vector_widths_give_the_same_bits(tmp_path: Path, dtype: torch.dtyp
         q = (torch.randn(heads, 4, dim, generator=gen) * 3).to(dtype)
         eight, sixteen = (k(q, keys, values, flat, torch.tensor(lengths), dim**-0.5) for k in kernels)
         assert torch.equal(eight, sixteen), (heads, kv_heads, dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_call_split_over_two_threads_gives_the_same_bits(
+    kernel: DecodeKernel, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill chunk in the kernel's form (row r over its first r + 1 tokens, strided queries): with two torch
+    threads the rows are split at half the work, the second part on the helper thread, with the same output
+    bits as one call on one thread; a call of fewer than `SPLIT_ROWS` rows is not split."""
+    from services.worker.engine import decode_kernel
+
+    gen = torch.Generator().manual_seed(7)
+    rows, heads, kv_heads, dim = 300, 4, 2, 64
+    blocks = -(-rows // BLOCK_SIZE)
+    keys = torch.randn(kv_heads, blocks + 2, dim, BLOCK_SIZE, generator=gen).to(dtype)
+    values = torch.randn(kv_heads, blocks + 2, BLOCK_SIZE, dim, generator=gen).to(dtype)
+    q = (torch.randn(heads, rows + 5, dim, generator=gen) * 3)[:, 5:]
+    tables = torch.arange(1, blocks + 1).repeat(rows)
+    lengths = torch.arange(1, rows + 1)
+    splits = []
+    real = decode_kernel._split_row
+    monkeypatch.setattr(decode_kernel, "_split_row", lambda n: splits.append(real(n)) or splits[-1])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = kernel(q, keys, values, tables, lengths, dim**-0.5)
+        torch.set_num_threads(2)
+        split = kernel(q, keys, values, tables, lengths, dim**-0.5)
+        few = decode_kernel.SPLIT_ROWS - 1
+        kernel(q[:, :few], keys, values, tables[: few * blocks], lengths[:few], dim**-0.5)
+    finally:
+        torch.set_num_threads(before)
+    assert len(splits) == 1 and 0 < splits[0] < rows  # ~rows / sqrt(2): the later rows attend to more
+    assert torch.equal(alone, split)

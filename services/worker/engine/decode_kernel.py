@@ -1,7 +1,8 @@
 """The CPU decode-attention kernel (``decode_kernel.c``): built on this machine, loaded with ctypes.
 
 Single-token queries attend to their KV blocks in place: no gathered copy of the context, no padding
-computed, one call per decode group and layer. On the tiny test model it is about 4x faster than
+computed, one call per decode group and layer (a prefill chunk's tokens are rows of their own, each over its
+causal context). On the tiny test model it is about 4x faster than
 gathering blocks and calling SDPA, on 128-dim heads about 5x (docs/engine.md). Used when the engine runs
 float32 or bfloat16 on the CPU with 16-token blocks and a C compiler is found; otherwise attention stays on SDPA.
 
@@ -12,6 +13,7 @@ processes starting together each write their own file and rename it into place.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -75,16 +77,44 @@ class DecodeKernel:
         width = tables.numel() // batch
         if q.dtype != torch.float32 or q.stride(-1) != 1:
             q = q.float().contiguous()  # the products are float32 whatever the cache holds
-        scratch = torch.empty(heads // kv_heads * width * BLOCK_SIZE, dtype=torch.float32)  # per call: engines share it
         out = torch.empty(batch, heads, head_dim, dtype=torch.float32)
-        rc = self._fn(
-            q.data_ptr(), q.stride(0), q.stride(1), keys.data_ptr(), values.data_ptr(), tables.data_ptr(),
-            width, lengths.data_ptr(), batch, heads, kv_heads, num_blocks, head_dim, scale, out.data_ptr(),
-            scratch.data_ptr(), keys.dtype == torch.bfloat16,
-        )  # fmt: skip
+        bf16 = keys.dtype == torch.bfloat16
+
+        def rows(lo: int, hi: int) -> int:
+            """Rows ``[lo, hi)``; the call releases the GIL (ctypes), so two threads' calls run at once."""
+            scratch = torch.empty(heads // kv_heads * width * BLOCK_SIZE, dtype=torch.float32)  # one per call
+            return self._fn(
+                q.data_ptr() + lo * q.stride(1) * 4, q.stride(0), q.stride(1), keys.data_ptr(), values.data_ptr(),
+                tables.data_ptr() + lo * width * 8, width, lengths.data_ptr() + lo * 8, hi - lo, heads, kv_heads,
+                num_blocks, head_dim, scale, out.data_ptr() + lo * heads * head_dim * 4, scratch.data_ptr(), bf16,
+            )  # fmt: skip
+
+        split = _split_row(lengths) if batch >= SPLIT_ROWS and torch.get_num_threads() > 1 else batch
+        if split in (0, batch):
+            rc = rows(0, batch)
+        else:  # the second half on the helper thread, the first here (lengths ascend: the split balances work)
+            second = _helper().submit(rows, split, batch)
+            rc = rows(0, split) | second.result()
         if rc != 0:
             raise ValueError(f"decode kernel: unsupported shapes (heads {heads}, kv heads {kv_heads}, dim {head_dim})")
         return out if keys.dtype == torch.float32 else out.to(keys.dtype)
+
+
+SPLIT_ROWS = 64
+"""Rows from which a call is split over two threads when torch runs more than one (a large step: step_threads.py);
+a decode step's few rows stay on one, the hand-over costing more than it saves."""
+
+
+def _split_row(lengths: torch.Tensor) -> int:
+    """The row that halves the work (the sum of context lengths) of rows ``lengths``."""
+    total = lengths.cumsum(0)
+    return int(torch.searchsorted(total, total[-1] // 2))
+
+
+@functools.cache
+def _helper() -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread that computes the second half of a split call."""
+    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="epd-attention")
 
 
 @functools.cache

@@ -1,8 +1,7 @@
 """The step metadata of the gathering backends (`sdpa`, `cpu-kernel`): decodes in padded groups, chunks alone.
 
 Decodes (one-token rows, ascending context) are cut into groups whose block tables are padded to one
-width (one SDPA call per group; the kernel makes one group); each multi-token chunk lists its blocks when
-something was cached before it.
+width (one SDPA call per group; the kernel makes one group); each multi-token chunk lists its blocks.
 """
 
 from __future__ import annotations
@@ -36,8 +35,8 @@ class DecodeRows:
 class ChunkRows:
     """A multi-token chunk: rows ``[query_start, query_start + query_len)`` of the step.
 
-    Its context is ``context_len`` tokens; when something was cached before it, its ``num_blocks`` block
-    ids are ``ints[blocks_at : blocks_at + num_blocks]`` (``num_blocks`` is 0 otherwise).
+    Its context is ``context_len`` tokens (``query_len`` when nothing was cached before it: ``fresh``), held in
+    ``num_blocks`` blocks whose ids are ``ints[blocks_at : blocks_at + num_blocks]``.
     """
 
     query_start: int
@@ -45,6 +44,11 @@ class ChunkRows:
     context_len: int
     blocks_at: int
     num_blocks: int
+
+    @property
+    def fresh(self) -> bool:
+        """Nothing was cached before the chunk: its own K/V is its whole context."""
+        return self.context_len == self.query_len
 
 
 @dataclass
@@ -84,7 +88,7 @@ def _add_chunks(
 ) -> None:
     for chunk in prefills:
         context_len = chunk.start + chunk.num_tokens
-        num_blocks = 0 if chunk.start == 0 else -(-context_len // size)
+        num_blocks = -(-context_len // size)
         layout.chunks.append(ChunkRows(query_start, chunk.num_tokens, context_len, len(ints), num_blocks))
         ints.extend(chunk.seq.block_table[:num_blocks])
         query_start += chunk.num_tokens

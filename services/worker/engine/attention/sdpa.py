@@ -3,8 +3,8 @@
 Decodes go in padded groups, one SDPA call per group over its gathered blocks with an additive mask;
 a multi-token chunk is one SDPA call, plain causal when nothing was cached before it, else over its
 gathered context with a bottom-right causal mask. KV head-major (`kv_cache.HEAD_MAJOR`). Runs anywhere
-torch runs; the `cpu-kernel` backend (cpu_kernel.py) is this one with decodes, and short chunks after a cached
-context, through the compiled kernel.
+torch runs; the `cpu-kernel` backend (cpu_kernel.py) is this one with decodes, chunks with nothing cached before
+them and short chunks after a cached context through the compiled kernel.
 """
 
 from __future__ import annotations
@@ -69,6 +69,8 @@ class SdpaBackend:
     kernel_chunk_work = 0
     """Chunks after a cached context whose query x context length is at most this go through ``decode_kernel``,
     a row each."""
+    kernel_fresh_chunks = False
+    """Chunks with nothing cached before them go through ``decode_kernel``, a row each."""
 
     def __init__(self, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
         self.block_size = block_size
@@ -101,15 +103,15 @@ class SdpaBackend:
             groups.append(DecodeGroup(g.num_rows, block_ids, lengths, mask))
         spans = []
         for c in layout.chunks:
-            if c.num_blocks == 0:
-                spans.append(ChunkSpan(c.query_start, c.query_len, c.context_len, None, None))
-                continue
             block_ids = packed[c.blocks_at : c.blocks_at + c.num_blocks]
             first = c.context_len - c.query_len  # the chunk's first token's index in its context
-            if c.query_len * c.context_len <= self.kernel_chunk_work:
+            if (c.fresh and self.kernel_fresh_chunks) or c.query_len * c.context_len <= self.kernel_chunk_work:
                 lengths = span[first + 1 : c.context_len + 1]
                 spans.append(ChunkSpan(c.query_start, c.query_len, c.context_len, block_ids.repeat(c.query_len),
                                        None, lengths))  # fmt: skip
+                continue
+            if c.fresh:
+                spans.append(ChunkSpan(c.query_start, c.query_len, c.context_len, None, None))
                 continue
             inside = span[: c.context_len][None, :] <= span[first : c.context_len][:, None]
             spans.append(ChunkSpan(c.query_start, c.query_len, c.context_len, block_ids, self._additive(inside)))
