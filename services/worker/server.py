@@ -212,26 +212,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 while not outputs.empty() and isinstance(outs[-1], StepOutput) and not outs[-1].request_finished:
                     outs.append(outputs.get_nowait())  # the loop fell behind: one message per choice for all of them
                 last = outs[-1]
-                if isinstance(last, Drained):
-                    message = f"worker {self._config.address} shut down (drain timeout)"
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, message, trailing_metadata=DRAIN_METADATA)
-                if isinstance(last, FetchFailed):
-                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, last.message)
-                if isinstance(last, RelayClosed):
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"relay {last.relay_id} closed")
-                if last is None:
-                    await context.abort(grpc.StatusCode.INTERNAL, "engine step failed; see worker log")
+                await self._abort_unless_output(last, context)
                 if pusher is not None and last.finish_reason == "kv_sent":
-                    try:
-                        await pusher.ack()  # the decode worker holds every block: only then is this prefill done
-                    except Exception as exc:
-                        if not is_failure(exc):
-                            raise
-                        peer = request.kv_transfer.peer
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push to {peer} failed: {exc}")
-                    for transport, sent in pusher.bytes.items():  # a dist push's inline fallbacks count as grpc
-                        self._metrics.kv_transfer_bytes.add(sent, {"direction": "sent", "transport": transport})
-                    self._metrics.kv_transfer_seconds.record(time.perf_counter() - start)
+                    await self._kv_sent(pusher, request.kv_transfer.peer, context, start)
                 finished = last.request_finished
                 generated += sum(len(out.new_token_ids) for out in outs)
                 cached = next((out.cached_tokens for out in reversed(outs) if out.index == 0), cached)
@@ -275,6 +258,32 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self._host.abort(request.request_id)
                 stages.mark("worker.ended", {"gen_ai.usage.completion_tokens": generated}, error="ended early")
             self._host.finished_at.pop(request.request_id, None)
+
+    async def _abort_unless_output(self, last: object, context: grpc.aio.ServicerContext) -> None:
+        """Abort the call when what ended the request's outputs is not the engine's: this worker's drain timeout, an
+        embedding that never came, the relay closing, or a failed engine step (None)."""
+        if isinstance(last, Drained):
+            message = f"worker {self._config.address} shut down (drain timeout)"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, message, trailing_metadata=DRAIN_METADATA)
+        if isinstance(last, FetchFailed):
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, last.message)
+        if isinstance(last, RelayClosed):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"relay {last.relay_id} closed")
+        if last is None:
+            await context.abort(grpc.StatusCode.INTERNAL, "engine step failed; see worker log")
+
+    async def _kv_sent(self, pusher: KVPusher, peer: str, context: grpc.aio.ServicerContext, start: float) -> None:
+        """A remote prefill's last chunk went: wait until the decode worker holds every block (only then is this
+        prefill done; UNAVAILABLE if the push failed), then count the bytes and the time."""
+        try:
+            await pusher.ack()
+        except Exception as exc:
+            if not is_failure(exc):
+                raise
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push to {peer} failed: {exc}")
+        for transport, sent in pusher.bytes.items():  # a dist push's inline fallbacks count as grpc
+            self._metrics.kv_transfer_bytes.add(sent, {"direction": "sent", "transport": transport})
+        self._metrics.kv_transfer_seconds.record(time.perf_counter() - start)
 
     async def Relay(self, request: worker_pb2.RelayOpen, context: grpc.aio.ServicerContext):
         """A router's relay (services/worker/relay.py): open until the router ends it or this worker stops. Not
