@@ -204,9 +204,10 @@ def test_a_short_chunk_in_the_kernels_form_has_a_length_per_row_at_any_context(c
     assert chunk.block_ids.tolist() == list(range(2 * rows, 2 * rows + blocks)) * rows
 
 
-def test_a_fresh_chunk_goes_through_the_kernel_only_with_cpu_kernel() -> None:
-    """A chunk with nothing cached before it: cpu-kernel lays it out as one decode row per token over the chunk's
-    own blocks (row r over its first r + 1 tokens); sdpa keeps one plain causal call over the chunk's K/V."""
+def test_a_fresh_chunk_goes_through_the_kernel_only_with_cpu_kernel_in_bfloat16() -> None:
+    """A chunk with nothing cached before it: cpu-kernel in bfloat16 lays it out as one decode row per token over the
+    chunk's own blocks (row r over its first r + 1 tokens); in float32, and with sdpa, it stays one plain causal
+    call over the chunk's K/V."""
     from types import SimpleNamespace
 
     from services.worker.engine.attention.cpu_kernel import CpuKernelBackend
@@ -219,9 +220,10 @@ def test_a_fresh_chunk_goes_through_the_kernel_only_with_cpu_kernel() -> None:
     packed = torch.arange(2 * rows + blocks, dtype=torch.int64)
     kv = SimpleNamespace(keys=[torch.zeros(1, blocks, 64, size)], layout="head-major")
     step = SimpleNamespace(layout=layout, num_tokens=rows)
-    kernel = CpuKernelBackend(size, CPU, torch.float32, kernel=None)  # type: ignore[arg-type]
+    kernel = CpuKernelBackend(size, CPU, torch.bfloat16, kernel=None)  # type: ignore[arg-type]
     [chunk] = kernel.context(step, packed, kv).chunks  # type: ignore[arg-type]
     assert chunk.lengths is not None and chunk.lengths.tolist() == list(range(1, rows + 1))
     assert chunk.block_ids.tolist() == list(range(2 * rows, 2 * rows + blocks)) * rows
-    [plain] = SdpaBackend(size, CPU, torch.float32).context(step, packed, kv).chunks  # type: ignore[arg-type]
-    assert plain.lengths is None and plain.block_ids is None and plain.mask is None
+    for backend in (CpuKernelBackend(size, CPU, torch.float32, kernel=None), SdpaBackend(size, CPU, torch.float32)):  # type: ignore[arg-type]
+        [plain] = backend.context(step, packed, kv).chunks  # type: ignore[arg-type]
+        assert plain.lengths is None and plain.block_ids is None and plain.mask is None

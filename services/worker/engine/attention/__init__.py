@@ -1,8 +1,8 @@
 """Attention backends: named, swappable pieces of the model runner, and how one is chosen.
 
-- `cpu-kernel` (cpu_kernel.py): CPU, float32 or bfloat16, 16-token blocks; decodes and most chunks through the
-  compiled C kernel over blocks in place (keys dim-major inside a block), long chunks after a cached context as
-  `sdpa`.
+- `cpu-kernel` (cpu_kernel.py): CPU, float32 or bfloat16, 16-token blocks; decodes, bfloat16 first chunks and short
+  chunks after a cached context through the compiled C kernel over blocks in place (keys dim-major inside a block),
+  other chunks as `sdpa`.
 - `sdpa` (sdpa.py): anywhere; blocks gathered, one SDPA call per decode group and per chunk.
 - `flash` (flash.py): CUDA, fp16/bf16, blocks a multiple of 256; torch's `varlen_attn` over the page pool,
   one call per layer per step.

@@ -3,8 +3,8 @@
 Decodes go in padded groups, one SDPA call per group over its gathered blocks with an additive mask;
 a multi-token chunk is one SDPA call, plain causal when nothing was cached before it, else over its
 gathered context with a bottom-right causal mask. KV head-major (`kv_cache.HEAD_MAJOR`). Runs anywhere
-torch runs; the `cpu-kernel` backend (cpu_kernel.py) is this one with decodes, chunks with nothing cached before
-them and short chunks after a cached context through the compiled kernel.
+torch runs; the `cpu-kernel` backend (cpu_kernel.py) is this one with decodes, bfloat16 chunks with nothing cached
+before them and short chunks after a cached context through the compiled kernel.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class SdpaBackend:
         for c in layout.chunks:
             block_ids = packed[c.blocks_at : c.blocks_at + c.num_blocks]
             first = c.context_len - c.query_len  # the chunk's first token's index in its context
-            if (c.fresh and self.kernel_fresh_chunks) or c.query_len * c.context_len <= self.kernel_chunk_work:
+            if self.kernel_fresh_chunks if c.fresh else c.query_len * c.context_len <= self.kernel_chunk_work:
                 lengths = span[first + 1 : c.context_len + 1]
                 spans.append(ChunkSpan(c.query_start, c.query_len, c.context_len, block_ids.repeat(c.query_len),
                                        None, lengths))  # fmt: skip
