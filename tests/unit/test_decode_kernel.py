@@ -134,25 +134,27 @@ def test_builds_into_an_empty_folder_and_reuses_it(tmp_path: Path, kernel: Decod
 def test_both_vector_widths_give_the_same_bits(tmp_path: Path, dtype: torch.dtype) -> None:
     """The kernel built with 8-lane vectors (AVX2's register) and with 16-lane ones (AVX-512's; -march=native picks
     by the CPU) computes every lane and every sum in the same order: equal outputs on GQA groups odd and even,
-    head dims 16-128, lengths at block edges. Either build runs on any x86 CPU (a 16-lane one slowly on AVX2)."""
+    head dims 16-128, lengths at block edges. Either build runs on any x86 CPU (a 16-lane one slowly on AVX2). So
+    does a build that scores one block at a time (``BLK=1``) instead of ``BLK`` blocks together."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     assert compiler is not None
     source = Path(__file__).parents[2] / "services/worker/engine/decode_kernel.c"
     kernels = []
-    for lanes in (8, 16):
-        target = tmp_path / f"lanes{lanes}.so"
-        flags = ["-O3", "-march=native", "-fPIC", "-shared", f"-DVL={lanes}"]
+    for lanes, blocks in ((8, ""), (16, ""), (16, "-DBLK=1")):
+        target = tmp_path / f"lanes{lanes}{blocks}.so"
+        flags = ["-O3", "-march=native", "-fPIC", "-shared", f"-DVL={lanes}", *([blocks] if blocks else [])]
         subprocess.run([compiler, *flags, "-o", str(target), str(source)], check=True, capture_output=True)
         kernels.append(DecodeKernel(ctypes.CDLL(str(target))))
     gen = torch.Generator().manual_seed(7)
     for heads, kv_heads, dim in [(4, 2, 64), (7, 1, 16), (6, 3, 32), (12, 2, 128)]:
         keys = torch.randn(kv_heads, 40, dim, BLOCK_SIZE, generator=gen).to(dtype)
         values = torch.randn(kv_heads, 40, BLOCK_SIZE, dim, generator=gen).to(dtype)
-        lengths, tables = [1, 16, 17, 100], [[3], [7], [1, 9], [0, 2, 4, 5, 6, 8, 10]]
+        lengths, tables = [1, 16, 17, 100], [[3], [7], [1, 9], [0, 2, 4, 5, 6, 8, 10]]  # 7 blocks: BLK and a rest
         flat = torch.tensor([t + [11] * (7 - len(t)) for t in tables]).view(-1)
         q = (torch.randn(heads, 4, dim, generator=gen) * 3).to(dtype)
-        eight, sixteen = (k(q, keys, values, flat, torch.tensor(lengths), dim**-0.5) for k in kernels)
+        eight, sixteen, one_block = (k(q, keys, values, flat, torch.tensor(lengths), dim**-0.5) for k in kernels)
         assert torch.equal(eight, sixteen), (heads, kv_heads, dim)
+        assert torch.equal(one_block, sixteen), (heads, kv_heads, dim)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -29,6 +29,9 @@
 #endif
 #endif
 #define NV (BS / VL) /* vectors per block */
+#ifndef BLK
+#define BLK 4 /* blocks whose scores are computed together */
+#endif
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef int32_t vi __attribute__((vector_size(VL * 4)));
 typedef uint16_t vh __attribute__((vector_size(VL * 2)));
@@ -97,42 +100,61 @@ static inline __attribute__((always_inline)) void normalise(float *scores, int64
     for (int64_t j = 0; j < nblocks * BS; j += VL) store(scores + j, load(scores + j) * inv);
 }
 
+/* Scores of blocks j .. j + NB - 1 (NB a constant: the blocks' chains are independent, so the FMA units overlap
+ * them; each score's own sum is the same, in the same order, as one block at a time) for head qa (and qb with pair),
+ * scaled, masked past the context, into sa (sb); ma (mb) take the lanes' maxima. A pair loads each key vector once
+ * for both heads: even and odd dims in two chains per vector, added at the end of the block. */
+static inline __attribute__((always_inline)) void block_scores(
+    const float *qa, const float *qb, const void *k_head, int64_t k_off, const int64_t *table, int64_t j, int NB,
+    int64_t len, int64_t head_dim, float scale, float *sa, float *sb, vf *ma, vf *mb, int pair, int bf16) {
+    int64_t kt[BLK];
+    vf a0[BLK][NV], a1[BLK][NV], b0[BLK][NV], b1[BLK][NV];
+    for (int u = 0; u < NB; u++) {
+        kt[u] = k_off + table[j + u] * head_dim * BS;
+        for (int k = 0; k < NV; k++) a0[u][k] = a1[u][k] = b0[u][k] = b1[u][k] = splat(0.0f);
+    }
+    for (int64_t d = 0; d < head_dim; d += 2) {
+        const float qa0 = qa[d], qa1 = qa[d + 1], qb0 = qb[d], qb1 = qb[d + 1];
+        for (int u = 0; u < NB; u++) {
+            for (int k = 0; k < NV; k++) {
+                const vf k0 = load_kv(k_head, kt[u] + d * BS + k * VL, bf16);
+                const vf k1 = load_kv(k_head, kt[u] + (d + 1) * BS + k * VL, bf16);
+                a0[u][k] += qa0 * k0;
+                a1[u][k] += qa1 * k1;
+                if (pair) {
+                    b0[u][k] += qb0 * k0;
+                    b1[u][k] += qb1 * k1;
+                }
+            }
+        }
+    }
+    for (int u = 0; u < NB; u++) {
+        const int64_t past = len - (j + u) * BS; /* tokens of this block inside the context */
+        float *aj = sa + (j + u) * BS;
+        for (int k = 0; k < NV; k++) store(aj + k * VL, (a0[u][k] + a1[u][k]) * scale);
+        for (int64_t i = past; i < BS; i++) aj[i] = -1e30f; /* past the context (last block) */
+        for (int k = 0; k < NV; k++) ma[k] = vmax(ma[k], load(aj + k * VL));
+        if (pair) {
+            float *bj = sb + (j + u) * BS;
+            for (int k = 0; k < NV; k++) store(bj + k * VL, (b0[u][k] + b1[u][k]) * scale);
+            for (int64_t i = past; i < BS; i++) bj[i] = -1e30f;
+            for (int k = 0; k < NV; k++) mb[k] = vmax(mb[k], load(bj + k * VL));
+        }
+    }
+}
+
 /* Probabilities of query head qa (and, with pair, of qb: a second head of the same KV head) over its context, 16
- * per block, into sa (sb). A pair loads each key vector once for both heads; each head's sums are the same, in
- * the same order, as alone: even and odd dims in two chains per vector, added at the end of the block. */
+ * per block, into sa (sb): BLK blocks at a time, then the rest one by one. */
 static inline __attribute__((always_inline)) void softmax_scores(
     const float *qa, const float *qb, const void *k_head, int64_t k_off, const int64_t *table, int64_t nblocks,
     int64_t len, int64_t head_dim, float scale, float *sa, float *sb, int pair, int bf16) {
     vf ma[NV], mb[NV];
     for (int k = 0; k < NV; k++) ma[k] = mb[k] = splat(-1e30f);
-    for (int64_t j = 0; j < nblocks; j++) {
-        const int64_t kt = k_off + table[j] * head_dim * BS;
-        vf a0[NV], a1[NV], b0[NV], b1[NV]; /* two chains per vector: head_dim is even */
-        for (int k = 0; k < NV; k++) a0[k] = a1[k] = b0[k] = b1[k] = splat(0.0f);
-        for (int64_t d = 0; d < head_dim; d += 2) {
-            for (int k = 0; k < NV; k++) {
-                const vf k0 = load_kv(k_head, kt + d * BS + k * VL, bf16);
-                const vf k1 = load_kv(k_head, kt + (d + 1) * BS + k * VL, bf16);
-                a0[k] += qa[d] * k0;
-                a1[k] += qa[d + 1] * k1;
-                if (pair) {
-                    b0[k] += qb[d] * k0;
-                    b1[k] += qb[d + 1] * k1;
-                }
-            }
-        }
-        const int64_t past = len - j * BS; /* tokens of this block inside the context */
-        float *aj = sa + j * BS;
-        for (int k = 0; k < NV; k++) store(aj + k * VL, (a0[k] + a1[k]) * scale);
-        for (int64_t i = past; i < BS; i++) aj[i] = -1e30f; /* past the context (last block) */
-        for (int k = 0; k < NV; k++) ma[k] = vmax(ma[k], load(aj + k * VL));
-        if (pair) {
-            float *bj = sb + j * BS;
-            for (int k = 0; k < NV; k++) store(bj + k * VL, (b0[k] + b1[k]) * scale);
-            for (int64_t i = past; i < BS; i++) bj[i] = -1e30f;
-            for (int k = 0; k < NV; k++) mb[k] = vmax(mb[k], load(bj + k * VL));
-        }
-    }
+    int64_t j = 0;
+    for (; j + BLK <= nblocks; j += BLK)
+        block_scores(qa, qb, k_head, k_off, table, j, BLK, len, head_dim, scale, sa, sb, ma, mb, pair, bf16);
+    for (; j < nblocks; j++)
+        block_scores(qa, qb, k_head, k_off, table, j, 1, len, head_dim, scale, sa, sb, ma, mb, pair, bf16);
     normalise(sa, nblocks, ma);
     if (pair) normalise(sb, nblocks, mb);
 }
