@@ -115,7 +115,7 @@ async def start_router(config: RouterConfig) -> Callable[[], Awaitable[None]]:
         await running.health.enter_graceful_shutdown()
         await asyncio.gather(stop_http(), drain_grpc())
         await view.stop()
-        await servicer.relays.close()
+        await servicer.attempts.close()
         await dialer.close()
         telemetry.shutdown()
 

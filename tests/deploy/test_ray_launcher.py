@@ -1,8 +1,10 @@
-"""services/launch/ray_launcher.py on a local Ray: start, health on every address, clean stop."""
+"""services/launch/ray_launcher.py on a local Ray with a stand-in service: start, health on every address, clean stop.
+
+The real services as Ray actors answering an image request: tests/e2e/test_up_ray.py (`epd up --ray`).
+"""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
@@ -15,9 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from PIL import Image
 
-from services.client import Client, user_request
 from services.launch.local import redis_answers
 from services.launch.ray_launcher import RayCluster, _local_redis, launch_on_ray, plan_services
 from services.launch.service_process import descendants, free_port, is_alive
@@ -48,14 +48,6 @@ def stop_and_check_clean(cluster: RayCluster, before: set[int]) -> None:
     assert wait_gone(service_pids) == []
     left = wait_gone([p for p in descendants(os.getpid()) if p not in before])
     assert left == [], f"processes left under the test process: {left}"
-
-
-def png_bytes(width: int = 64, height: int = 48) -> bytes:
-    image = Image.new("RGB", (width, height))
-    image.putdata([(x * 4 % 256, y * 5 % 256, 128) for y in range(height) for x in range(width)])
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -173,31 +165,3 @@ def test_failed_start_reports_the_log_and_cleans_up(tmp_path: Path) -> None:
         )
     assert "no such role" in str(caught.value)
     assert wait_gone([p for p in descendants(os.getpid()) if p not in before]) == []
-
-
-def test_epd_cluster_on_local_ray_serves_an_image_request(tiny_model_dir: Path, redis_url: str) -> None:
-    """The real `epd serve` services as Ray actors: healthy, one image request, clean stop."""
-    before = set(descendants(os.getpid()))
-    cluster = launch_on_ray(
-        str(tiny_model_dir),
-        redis_url=redis_url,
-        router_port=0,
-        http_port=None,
-        encoder_port=0,
-        worker_port=0,
-        metrics_port=None,
-        env={"EPD_DEVICE": "cpu"},
-        ready_timeout_s=240,
-    )
-    try:
-        for address in sum(cluster.addresses().values(), []):
-            assert serving(address), address
-        client = Client(cluster.router_addr)
-        try:
-            answer = client.generate(user_request("Describe the image.", [png_bytes()], max_tokens=4), timeout_s=120)
-        finally:
-            client.close()
-        assert answer.final is not None and answer.token_ids
-        assert answer.final.usage.image_tokens > 0
-    finally:
-        stop_and_check_clean(cluster, before)
