@@ -24,6 +24,7 @@ import math
 import time
 
 import grpc
+import torch
 
 from services.common.dist_receiver import DistReceiver
 from services.common.drain import Drain
@@ -33,7 +34,7 @@ from services.common.rpc.epd.v1 import worker_pb2, worker_pb2_grpc
 from services.common.tls import Dialer, internal_client
 from services.common.tracing import StageSpans
 from services.common.transport_dist import DistError
-from services.common.transport_grpc import ChunkAssembler, StreamError
+from services.common.transport_grpc import StreamError
 from services.worker.config import WorkerConfig
 from services.worker.embedding_store import EmbeddingStore
 from services.worker.engine.kv_connector import KVChunk
@@ -44,6 +45,7 @@ from services.worker.engine_host.process_host import EngineGone
 from services.worker.kv_transfer import KVAssembler, KVPusher, is_failure, kv_transport, receive_dist_chunk
 from services.worker.messages import by_choice, engine_request, response
 from services.worker.metrics import WorkerMetrics
+from services.worker.push_receiver import PushReceiver
 from services.worker.relay import Relay, RelayClosed
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._config = config
         self._metrics = metrics
         self._dist = dist or DistReceiver.for_service(config.host, config.address, device=config.device)
+        self._pushes = PushReceiver(self._put_embedding, self._dist, self._count_pushed)
         self._outbox: LoopMailbox | None = None
         host.deliver = self._deliver  # a step's outputs: one wake-up of this event loop for all of them
         self.drain = Drain()
@@ -91,6 +94,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._kv_transport = kv_transport(config.kv_transport, self._stub, hostname, config.kv_transfer_timeout_s)
         if hasattr(host, "deliver_kv"):
             host.deliver_kv = self._deliver_kv
+
+    def _put_embedding(self, mm_hash: str, tensor: torch.Tensor) -> None:
+        self._store.put(mm_hash, tensor)
+
+    def _count_pushed(self, nbytes: int, transport: str) -> None:
+        self._metrics.transfer_bytes.add(nbytes, {"transport": transport})
 
     def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         return worker_pb2_grpc.WorkerStub(self._dialer.channel(address))
@@ -322,19 +331,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 return
 
     async def PushEmbeddings(self, request_iterator, context: grpc.aio.ServicerContext) -> worker_pb2.PushAck:
-        assembler = ChunkAssembler()
-        items = 0
-        try:
-            async for chunk in request_iterator:
-                embedding = assembler.add(chunk)
-                if embedding is not None:
-                    self._store.put(embedding.mm_hash, embedding.tensor)
-                    items += 1
-            assembler.finish()
-            self._metrics.transfer_bytes.add(assembler.total_bytes, {"transport": "grpc"})
-        except (StreamError, ValueError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad embedding stream: {exc}")
-        return worker_pb2.PushAck(items=items, bytes=assembler.total_bytes)
+        return await self._pushes.push_embeddings(request_iterator, context)
 
     async def PushKV(self, request_iterator, context: grpc.aio.ServicerContext) -> worker_pb2.PushAck:
         """A prefill worker's KV chunks for requests admitted here to receive them, written into the engine's pool
@@ -365,29 +362,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.PushAck(items=chunks, bytes=assembler.total_bytes + dist_bytes)
 
     async def DistConnect(
-        self,
-        request: worker_pb2.DistConnectRequest,
-        context: grpc.aio.ServicerContext,
+        self, request: worker_pb2.DistConnectRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.DistConnectReply:
-        try:
-            return self._dist.connect(request)
-        except (DistError, RuntimeError, ValueError) as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"torch.distributed pair set-up failed: {exc}")
+        return await self._pushes.dist_connect(request, context)
 
-    async def PushDist(
-        self,
-        request: worker_pb2.DistTransfer,
-        context: grpc.aio.ServicerContext,
-    ) -> worker_pb2.PushAck:
-        try:
-            embeddings = await self._dist.receive(request)
-        except DistError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"torch.distributed push failed: {exc}")
-        for embedding in embeddings:
-            self._store.put(embedding.mm_hash, embedding.tensor)
-        nbytes = sum(e.tensor.nbytes for e in embeddings)
-        self._metrics.transfer_bytes.add(nbytes, {"transport": "dist"})
-        return worker_pb2.PushAck(items=len(embeddings), bytes=nbytes)
+    async def PushDist(self, request: worker_pb2.DistTransfer, context: grpc.aio.ServicerContext) -> worker_pb2.PushAck:
+        return await self._pushes.push_dist(request, context)
 
     def close(self) -> None:
         self._dist.close()

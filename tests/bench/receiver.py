@@ -1,9 +1,9 @@
 """A worker's embedding-receiving side in its own process, for transfer tests and the encoder bench.
 
-`ReceiverProcess` starts (spawn) a gRPC server whose `Worker` servicer implements exactly the
-worker's receive path: `PushEmbeddings` through `ChunkAssembler`, `DistConnect`/`PushDist` through
-`DistReceiver`. It keeps what arrives, and answers digests (sha256 over dtype, shape and raw bytes)
-over a pipe, so a test can prove the bytes arrived unchanged without the engine or a model.
+`ReceiverProcess` starts (spawn) a gRPC server whose `Worker` servicer answers `PushEmbeddings`,
+`DistConnect` and `PushDist` with the worker's own handlers (services/worker/push_receiver.py). It keeps
+what arrives, and answers digests (sha256 over dtype, shape and raw bytes) over a pipe, so a test can
+prove the bytes arrived unchanged without the engine or a model.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ import torch
 from services.common import grpc_server
 from services.common.dist_receiver import DistReceiver, ReceiverAddress
 from services.common.rpc.epd.v1 import worker_pb2, worker_pb2_grpc
-from services.common.transport_dist import DistError
-from services.common.transport_grpc import ChunkAssembler, StreamError
+from services.worker.push_receiver import PushReceiver
 
 
 def digest(tensor: torch.Tensor) -> str:
@@ -33,47 +32,22 @@ def digest(tensor: torch.Tensor) -> str:
 
 
 class _Receiver(worker_pb2_grpc.WorkerServicer):
-    """The worker's PushEmbeddings / DistConnect / PushDist handlers, storing into a dict."""
+    """The worker's own PushEmbeddings / DistConnect / PushDist handlers (`PushReceiver`), storing into a dict."""
 
     def __init__(self) -> None:
         self.received: dict[str, torch.Tensor] = {}
-        self.dist = DistReceiver(ReceiverAddress("127.0.0.1", "127.0.0.1"))
+        self.pushes = PushReceiver(self.received.__setitem__, DistReceiver(ReceiverAddress("127.0.0.1", "127.0.0.1")))
 
     async def PushEmbeddings(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> worker_pb2.PushAck:
-        assembler, items = ChunkAssembler(), 0
-        try:
-            async for chunk in request_iterator:
-                embedding = assembler.add(chunk)
-                if embedding is not None:
-                    self.received[embedding.mm_hash] = embedding.tensor
-                    items += 1
-            assembler.finish()
-        except (StreamError, ValueError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad embedding stream: {exc}")
-        return worker_pb2.PushAck(items=items, bytes=assembler.total_bytes)
+        return await self.pushes.push_embeddings(request_iterator, context)
 
     async def DistConnect(
-        self,
-        request: worker_pb2.DistConnectRequest,
-        context: grpc.aio.ServicerContext,
+        self, request: worker_pb2.DistConnectRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.DistConnectReply:
-        try:
-            return self.dist.connect(request)
-        except (DistError, RuntimeError, ValueError) as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"torch.distributed pair set-up failed: {exc}")
+        return await self.pushes.dist_connect(request, context)
 
-    async def PushDist(
-        self,
-        request: worker_pb2.DistTransfer,
-        context: grpc.aio.ServicerContext,
-    ) -> worker_pb2.PushAck:
-        try:
-            embeddings = await self.dist.receive(request)
-        except DistError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"torch.distributed push failed: {exc}")
-        for embedding in embeddings:
-            self.received[embedding.mm_hash] = embedding.tensor
-        return worker_pb2.PushAck(items=len(embeddings), bytes=sum(e.tensor.nbytes for e in embeddings))
+    async def PushDist(self, request: worker_pb2.DistTransfer, context: grpc.aio.ServicerContext) -> worker_pb2.PushAck:
+        return await self.pushes.push_dist(request, context)
 
 
 async def _serve(conn: Any) -> None:
@@ -87,7 +61,7 @@ async def _serve(conn: Any) -> None:
             break
         tensor = receiver.received.get(argument)
         conn.send(None if tensor is None else digest(tensor))
-    receiver.dist.close()
+    receiver.pushes.dist.close()
     await running.stop(0.5)
 
 

@@ -177,7 +177,7 @@ def test_dist_push_reuses_its_pair_and_re_pairs_after_a_failure() -> None:
             pair = push.pairs.current(address)
             await push.push(address, [Embedding("b", second)], 10)
             assert push.pairs.current(address) is pair
-            servicer.dist.drop(pair.pair_id)  # the worker lost the pair (restart, failure)
+            servicer.pushes.dist.drop(pair.pair_id)  # the worker lost the pair (restart, failure)
             with pytest.raises(PushError, match=f"dist push to worker {address}"):
                 await push.push(address, [Embedding("c", first)], 5)
             await push.push(address, [Embedding("c", first)], 10)  # a new pair
@@ -188,7 +188,7 @@ def test_dist_push_reuses_its_pair_and_re_pairs_after_a_failure() -> None:
         finally:
             push.close()
             await channels.close()
-            servicer.dist.close()
+            servicer.pushes.dist.close()
             await running.stop(0.1)
 
     asyncio.run(go())
@@ -217,7 +217,7 @@ def test_pusher_falls_back_to_grpc_and_fails_clearly_when_both_fail() -> None:
             assert time.perf_counter() - start < 30  # bounded by the push's own timeouts; only a hang misses this
         finally:
             await pusher.close()
-            servicer.dist.close()
+            servicer.pushes.dist.close()
 
     asyncio.run(go())
 
