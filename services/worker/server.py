@@ -369,6 +369,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def PushDist(self, request: worker_pb2.DistTransfer, context: grpc.aio.ServicerContext) -> worker_pb2.PushAck:
         return await self._pushes.push_dist(request, context)
 
+    def end_relays(self) -> None:
+        """End every open relay's stream (at stop, after the drain: what was bound to one has ended); a server
+        stopping with a relay still open would wait out its grace, then cancel it."""
+        for relay in list(self._relays.values()):
+            relay.close()
+
     def close(self) -> None:
         self._dist.close()
         self._kv_transport.close()

@@ -22,6 +22,7 @@ from services.models.vision_runner import VisionRunner
 from services.worker.config import WorkerConfig
 from services.worker.embedding_store import EmbeddingStore
 from services.worker.engine.engine import Engine
+from services.worker.engine_host.fork import may_fork
 from services.worker.engine_host.host import EngineHost
 from services.worker.engine_host.process_host import EngineProcess
 from services.worker.engine_host.thread_host import EngineLoop
@@ -53,6 +54,7 @@ class RunningWorker:
 
     async def stop(self) -> None:
         await self.heartbeat.stop()
+        self.servicer.end_relays()
         await self.server.stop()
         self.servicer.close()
         self.host.stop()
@@ -62,11 +64,14 @@ class RunningWorker:
 async def start_worker(config: WorkerConfig) -> RunningWorker:
     """Load the model, start the engine thread, serve `Worker` and heartbeat the KV state."""
     info = load_model_info(config.model)
+    process = None
+    if config.engine_in_child():  # the child loads the model and runs the vision tower too
+        process = EngineProcess(config)
+        process.launch(fork=may_fork())  # before this process starts a thread: forked, it inherits the imports
     telemetry = Telemetry("worker", config.host, config.metrics_port, info.model_dir.resolve().name)
     cache = EmbeddingCache(CacheSettings.for_service(config, info.identity.revision))
     host: EngineHost
-    if config.engine_in_child():
-        process = EngineProcess(config)  # the child loads the model and runs the vision tower too
+    if process is not None:
         host, runner = process, process
     else:
         # tensor parallelism: loaded on the host, cut to rank 0's shard there, then moved (each rank loads its own)

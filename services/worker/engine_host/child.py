@@ -1,4 +1,4 @@
-"""The engine process's side (`EngineProcess` spawns it): load the model, run an `EngineLoop`, serve the pipe.
+"""The engine process's side (`EngineProcess` starts it): load the model, run an `EngineLoop`, serve the pipe.
 
 Commands from the pipe go into the engine loop (a reader on the main thread); after each engine-loop iteration
 the engine thread sends what changed (`Update`); co-located encodes run on a thread of their own.
@@ -10,7 +10,6 @@ import concurrent.futures
 import functools
 import gc
 import logging
-import signal
 import threading
 from multiprocessing.connection import Connection
 from typing import Any
@@ -19,6 +18,7 @@ import torch
 
 from services.worker.config import WorkerConfig
 from services.worker.engine.step_cost import StepTiming
+from services.worker.engine_host.fork import detach_from_parent
 from services.worker.engine_host.pipe import Abort, Admit, Embedding, Encode, Failed, Ready, Reply, Stop, Update
 from services.worker.engine_host.thread_host import EngineLoop
 
@@ -105,7 +105,7 @@ def child_main(conn: Connection, config: WorkerConfig) -> None:
     from services.models.vision_runner import VisionRunner
     from services.worker.engine.engine import Engine
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the worker drains, then stops us
+    detach_from_parent()  # Ctrl-C reaches the whole group: the worker drains, then stops us
     setup_logging(config.log_level, "worker-engine", config.log_format)
     if config.torch_threads > 0:
         torch.set_num_threads(config.torch_threads)

@@ -7,7 +7,8 @@ worker's steps spent 1.5-1.8 ms each (a third of a quiet decode step) and up to 
 the GIL, neither computing nor waiting for a core. In a child process the engine has a GIL of its own, as
 vLLM's engine core does.
 
-The parent (`EngineProcess`) spawns the child (a fresh interpreter: CUDA-safe), which loads the model and runs
+The parent (`EngineProcess`) forks the child when the worker may (services/worker/engine_host/fork.py: the child
+inherits the imported modules) and spawns it otherwise (a fresh interpreter); the child loads the model and runs
 an `EngineLoop`; the two speak over one pipe. Down: admissions, embeddings (through shared memory), aborts,
 co-located encodes. Up, once per engine-loop iteration that changed something: the step's outputs per request,
 when finished requests freed their blocks, the KV snapshot, the timed steps and the fitted step-cost
@@ -29,6 +30,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -36,6 +38,7 @@ import torch
 from services.worker.config import WorkerConfig
 from services.worker.engine.step_cost import DEFAULT_PRIOR, StepTiming
 from services.worker.engine_host.child import child_main
+from services.worker.engine_host.fork import signals_blocked
 from services.worker.engine_host.host import Delivery, KVSnapshot, Sink, call_sinks
 from services.worker.engine_host.pipe import Abort, Admit, Embedding, Encode, Failed, Ready, Reply, Stop, Update
 
@@ -68,10 +71,8 @@ class EngineProcess:
     def __init__(self, config: WorkerConfig, on_lost: Callable[[], None] | None = None) -> None:
         self._config = config
         self._on_lost = on_lost or _exit_soon
-        context = multiprocessing.get_context("spawn")
-        self._conn, child_conn = context.Pipe()
-        self._process = context.Process(target=child_main, args=(child_conn, config), name="epd-engine", daemon=True)
-        self._child_conn = child_conn
+        self._conn, self._child_conn = multiprocessing.Pipe()
+        self._process: multiprocessing.process.BaseProcess | None = None
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # sinks and replies: the event loop adds, the reader thread takes
         self._sinks: dict[str, Sink] = {}
@@ -94,13 +95,30 @@ class EngineProcess:
     @property
     def pid(self) -> int | None:
         """The child's process id (None before start)."""
-        return self._process.pid
+        return None if self._process is None else self._process.pid
 
-    def start(self, timeout_s: float | None = None) -> None:
-        """Spawn the child and wait until its model is loaded; RuntimeError (with the child's reason) if it fails."""
-        self._process.start()
+    def launch(self, fork: bool = False) -> None:
+        """Start the child, not waiting for it: forked when `fork` (the caller checked `fork.may_fork()`: the child
+        inherits the imported modules), else spawned. Idempotent."""
+        if self._process is not None:
+            return
+        if fork:
+            context = multiprocessing.get_context("fork")
+            target, args = _forked_child_main, (self._conn, self._child_conn, self._config)
+        else:
+            context = multiprocessing.get_context("spawn")
+            target, args = child_main, (self._child_conn, self._config)
+        self._process = context.Process(target=target, args=args, name="epd-engine", daemon=True)
+        with signals_blocked():
+            self._process.start()
         self._child_conn.close()
         self._reader.start()
+        log.info("engine process %d %s", self._process.pid, "forked" if fork else "spawned")
+
+    def start(self, timeout_s: float | None = None) -> None:
+        """Launch the child (spawned, unless `launch` forked it already) and wait until its model is loaded;
+        RuntimeError (with the child's reason) if it fails."""
+        self.launch()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._ready.wait(0.5):
             if not self._process.is_alive():
@@ -116,7 +134,7 @@ class EngineProcess:
 
     def stop(self) -> None:
         self._stopping = True
-        if self._process.is_alive():
+        if self._process is not None and self._process.is_alive():
             with contextlib.suppress(OSError):  # the child may be going already
                 self._send(Stop())
             self._process.join(timeout=10)
@@ -251,3 +269,10 @@ def _shareable(tensor: torch.Tensor) -> torch.Tensor:
     shared = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
     shared.copy_(tensor)
     return shared
+
+
+def _forked_child_main(parent_end: Connection, conn: Connection, config: WorkerConfig) -> None:
+    """`child_main` in a forked child, which holds the parent's end of the pipe too: closed first, or the child
+    would never see the pipe end when the parent dies."""
+    parent_end.close()
+    child_main(conn, config)
