@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import signal
 import threading
@@ -26,6 +27,7 @@ from collections.abc import Iterator
 import torch
 
 _SIGNALS = {signal.SIGINT, signal.SIGTERM}
+_PR_SET_NAME = 15
 
 
 def _native_threads() -> int:
@@ -61,7 +63,9 @@ def signals_blocked() -> Iterator[None]:
 
 def detach_from_parent() -> None:
     """In a forked child: no running loop, no wake-up socket, SIGTERM ends it, SIGINT ignored (the worker drains
-    on Ctrl-C, then stops its engine), then the signals unblocked. Harmless in a spawned child."""
+    on Ctrl-C, then stops its engine), then the signals unblocked; named `epd-engine` (what `top` and `ps -o comm`
+    show: a forked child's command line is the worker's). Harmless in a spawned child."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, b"epd-engine", 0, 0, 0)
     asyncio.events._set_running_loop(None)
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
