@@ -38,7 +38,7 @@ def _serve(args: argparse.Namespace) -> int:
         tracing = setup_tracing(args.role)
     except ValueError as exc:
         raise UserError(str(exc), USAGE) from None
-    if config.torch_threads > 0:
+    if config.torch_threads > 0 and config.computes_here():
         import torch
 
         torch.set_num_threads(config.torch_threads)

@@ -194,6 +194,10 @@ class ServiceConfig:
             if path and not os.path.isfile(path):
                 raise ConfigError(f"{env_name(name)}: {path} is not a readable file")
 
+    def computes_here(self) -> bool:
+        """Whether this service's own process runs its torch compute (so `torch_threads` applies to it)."""
+        return True
+
     @property
     def address(self) -> str:
         """The address other services dial to reach this one."""

@@ -55,6 +55,11 @@ class WorkerConfig(ServiceConfig, EngineConfig):
             return self.device.startswith("cpu") and self.worker_role == "both" and self.tensor_parallel_size == 1
         return self.engine_process == "on"
 
+    def computes_here(self) -> bool:
+        """False with the engine in a child process: the child sets its own threads, and this process forks it
+        before any thread of torch's starts (services/worker/engine_host/fork.py)."""
+        return not self.engine_in_child()
+
     def engine_config(self) -> EngineConfig:
         """The engine's settings among the worker's: the fields `EngineConfig` declares."""
         return EngineConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)})

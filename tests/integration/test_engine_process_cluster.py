@@ -5,6 +5,7 @@ and the worker exits with code 1, for its supervisor to restart it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 
 from services.client import Client, user_request
@@ -30,18 +32,11 @@ def cluster(
 
 
 def engine_child(parent: int) -> int:
-    """The pid of the engine process the worker ``parent`` spawned (not multiprocessing's resource tracker)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            status = Path(f"/proc/{entry}/status").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        ppid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
-        if ppid == parent and "multiprocessing" in cmdline and "resource_tracker" not in cmdline:
-            return int(entry)
+    """The pid of the engine process the worker ``parent`` started (named `epd-engine`, forked or spawned)."""
+    for child in psutil.Process(parent).children():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if child.name() == "epd-engine":
+                return child.pid
     raise AssertionError(f"worker {parent} has no engine process")
 
 
