@@ -53,6 +53,9 @@ def test_up_generate_count_and_clean_stop(tiny_model_dir: Path, redis_server: Re
             # groups (autogroup), so only then does a worker's compute nice yield to the router
             assert os.getpgid(service.pid) == service.pid
             assert os.getsid(service.pid) == os.getsid(up.pid)
+        worker = next(c for c in psutil.Process(up.pid).children() if "worker" in c.cmdline())
+        engines = [c for c in worker.children() if c.name() == "epd-engine"]
+        assert len(engines) == 1 and engines[0].cmdline() == worker.cmdline(), "the worker's engine was not forked"
         image = tmp_path / "cat.png"
         image.write_bytes(media_factory.png(160, 120))
         generated = _epd("generate", "--image", str(image), "--max-tokens", "8", "What is this?", env=env)
