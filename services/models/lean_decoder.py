@@ -48,6 +48,34 @@ class StepAttention(Protocol):
     ) -> torch.Tensor: ...
 
 
+class LayerOps(Protocol):
+    """How the lean forward computes a layer's elementwise parts, each the bits of transformers' formula."""
+
+    def add_rms_norm(self, norm: Any, hidden: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``hidden += residual`` in place when given, then ``norm``'s RMSNorm of ``hidden`` as a new tensor."""
+        ...
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x * cos + rotate_half(x) * sin`` as a new tensor."""
+        ...
+
+
+class _TorchOps:
+    """`LayerOps` as torch calls: transformers' formulas, written to reuse the tensors they create."""
+
+    def add_rms_norm(self, norm: Any, hidden: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return _rms_norm(norm, hidden if residual is None else hidden.add_(residual))
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return _rotate(x, cos, sin)
+
+    def __repr__(self) -> str:
+        return "torch's norms and rotary"
+
+
+TORCH_OPS: LayerOps = _TorchOps()
+
+
 @dataclass(frozen=True)
 class _Layer:
     """One decoder layer's modules, read once (attribute lookups through nn.Module cost per step)."""
@@ -89,8 +117,10 @@ class LeanDecoder:
         language_model: nn.Module,
         layers: list[_Layer],
         positions: Callable[[torch.Tensor], torch.Tensor],
+        ops: LayerOps,
     ) -> None:
         self.positions = positions
+        self.ops = ops
         self.rotary = language_model.rotary_emb
         self.norm = language_model.norm
         self.layers = layers
@@ -103,17 +133,19 @@ class LeanDecoder:
         device: torch.device,
         dtype: torch.dtype,
         positions: Callable[[torch.Tensor], torch.Tensor],
+        ops: LayerOps | None = None,
     ) -> LeanDecoder | None:
         """A decoder over ``language_model`` when its forward equals ``reference(inputs_embeds, position_ids,
         attention)`` (transformers' forward as the engine calls it, on the engine's three position rows) exactly
         on random input with causal attention; None, logged, when its layers are not the shape this forward knows
-        or the outputs differ. ``positions`` turns the engine's rows into what the model's rotary takes."""
+        or the outputs differ. ``positions`` turns the engine's rows into what the model's rotary takes; ``ops``
+        computes its norms and rotary (default `TORCH_OPS`, torch's formulas), so the probe checks them too."""
         layers = _read_layers(language_model)
         if layers is None:
             log.info("language model forward: transformers' (%s layers are not llama-shaped)",
                      type(language_model).__name__)  # fmt: skip
             return None
-        decoder = cls(language_model, layers, positions)
+        decoder = cls(language_model, layers, positions, TORCH_OPS if ops is None else ops)
         width = int(language_model.norm.weight.shape[0])
         generator = torch.Generator().manual_seed(0)
         embeds = torch.randn(1, PROBE_TOKENS, width, generator=generator).to(device=device, dtype=dtype)
@@ -131,37 +163,40 @@ class LeanDecoder:
         if not same:
             log.info("language model forward: transformers' (the lean forward differs from it on the probe)")
             return None
-        log.info("language model forward: lean (bit-identical to transformers' on the probe)")
+        log.info("language model forward: lean, %s (bit-identical to transformers' on the probe)", decoder.ops)
         return decoder
 
     def __call__(
         self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, attention: StepAttention
     ) -> torch.Tensor:
+        ops = self.ops
         hidden = inputs_embeds
         batch, rows, _ = hidden.shape
         cos, sin = self.rotary(hidden, self.positions(position_ids))
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        for layer in self.layers:
-            residual = hidden
-            x = _rms_norm(layer.input_norm, hidden)
-            q, k, v = _attention_inputs(layer, x, cos, sin)
+        x = ops.add_rms_norm(self.layers[0].input_norm, hidden) if self.layers else hidden
+        for i, layer in enumerate(self.layers):
+            q, k, v = _attention_inputs(layer, x, cos, sin, ops)
             out = attention.attend(layer.index, q[0], k[0], v[0], layer.scaling).unsqueeze(0)
-            hidden = layer.o_proj(out.reshape(batch, rows, -1).contiguous()).add_(residual)
-            residual = hidden
-            x = _rms_norm(layer.post_norm, hidden)
+            attended = layer.o_proj(out.reshape(batch, rows, -1).contiguous())
+            x = ops.add_rms_norm(layer.post_norm, attended, hidden)  # attended += hidden: the next residual
+            hidden = attended
             if layer.gate_up is not None:  # out of place: the activation then reads strided columns only once
                 gate, up = layer.gate_up(x).split(layer.gate_up_widths, dim=-1)
                 gate = F.silu(gate) if layer.silu else layer.act(gate)
-                hidden = layer.down_proj(gate.mul_(up)).add_(residual)
-                continue
-            gate = layer.gate_proj(x)
-            gate = F.silu(gate, inplace=True) if layer.silu else layer.act(gate)
-            hidden = layer.down_proj(gate.mul_(layer.up_proj(x))).add_(residual)
-        return _rms_norm(self.norm, hidden)
+                mixed = layer.down_proj(gate.mul_(up))
+            else:
+                gate = layer.gate_proj(x)
+                gate = F.silu(gate, inplace=True) if layer.silu else layer.act(gate)
+                mixed = layer.down_proj(gate.mul_(layer.up_proj(x)))
+            following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            x = ops.add_rms_norm(following, mixed, hidden)
+            hidden = mixed
+        return x if self.layers else ops.add_rms_norm(self.norm, hidden)
 
 
 def _attention_inputs(
-    layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops: LayerOps
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The layer's rotated queries and keys and its values, each ``[batch, heads, rows, head_dim]``. From one fused
     product without per-head norms, queries and keys rotate as one tensor of their heads side by side (the rotary
@@ -171,7 +206,7 @@ def _attention_inputs(
     if layer.qkv is not None and layer.q_norm is None:
         out = layer.qkv(x)
         q_width, k_width, _ = layer.qkv_widths
-        qk = _rotate(out[..., : q_width + k_width].view(shape).transpose(1, 2), cos, sin)
+        qk = ops.rotate(out[..., : q_width + k_width].view(shape).transpose(1, 2), cos, sin)
         heads = q_width // layer.head_dim
         v = out[..., q_width + k_width :].view(shape).transpose(1, 2)
         return qk[:, :heads], qk[:, heads:], v
@@ -183,7 +218,7 @@ def _attention_inputs(
     if layer.q_norm is not None:
         q, k = _rms_norm(layer.q_norm, q), _rms_norm(layer.k_norm, k)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin), v.view(shape).transpose(1, 2)
+    return ops.rotate(q, cos, sin), ops.rotate(k, cos, sin), v.view(shape).transpose(1, 2)
 
 
 def projection_groups(language_model: nn.Module) -> list[FusedGroup]:

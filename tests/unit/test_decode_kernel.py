@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.worker.engine.decode_kernel import BLOCK_SIZE, DecodeKernel, build_decode_kernel, load_decode_kernel
+from services.worker.engine.decode_kernel import BLOCK_SIZE, SOURCE, DecodeKernel, load_decode_kernel
+from services.worker.engine.native_library import build_library
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +116,10 @@ def test_builds_into_an_empty_folder_and_reuses_it(tmp_path: Path, kernel: Decod
     """A fresh machine's path: compile into the cache folder, then find it there; a broken compiler is None."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     assert compiler is not None
-    built = build_decode_kernel(compiler, tmp_path)
+    built = build_library(SOURCE, compiler, tmp_path)
     assert built is not None and built.parent == tmp_path
     mtime = built.stat().st_mtime_ns
-    assert build_decode_kernel(compiler, tmp_path) == built and built.stat().st_mtime_ns == mtime
+    assert build_library(SOURCE, compiler, tmp_path) == built and built.stat().st_mtime_ns == mtime
     fresh = DecodeKernel(ctypes.CDLL(str(built)))
     keys, values = torch.randn(2, 3, 16, BLOCK_SIZE), torch.randn(2, 3, BLOCK_SIZE, 16)
     q, tables, lengths = torch.randn(4, 2, 16), torch.tensor([2, 0, 1, 1, 0, 2]), torch.tensor([40, 20])
@@ -126,7 +127,7 @@ def test_builds_into_an_empty_folder_and_reuses_it(tmp_path: Path, kernel: Decod
     torch.testing.assert_close(fresh(q, keys, values, tables, lengths, 0.25), expected)
     broken = tmp_path / "broken"
     broken.mkdir()
-    assert build_decode_kernel("false", broken) is None
+    assert build_library(SOURCE, "false", broken) is None
     assert not any(broken.iterdir())  # no partial file left behind
 
 

@@ -6,9 +6,8 @@ causal context). On the tiny test model it is about 4x faster than
 gathering blocks and calling SDPA, on 128-dim heads about 5x (docs/engine.md). Used when the engine runs
 float32 or bfloat16 on the CPU with 16-token blocks and a C compiler is found; otherwise attention stays on SDPA.
 
-The shared object is compiled once per source, compiler and CPU (``-march=native``) into a cache
-folder (``$XDG_CACHE_HOME/epd/kernels``, else ``~/.cache``, else the temp folder) and reused; several
-processes starting together each write their own file and rename it into place.
+The shared object is compiled once per source, compiler and CPU (``-march=native``) into a cache folder and
+reused (native_library.py).
 """
 
 from __future__ import annotations
@@ -16,18 +15,11 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from services.worker.engine.native_library import load_library
 
 BLOCK_SIZE = 16
 """Tokens per KV block the kernel is built for (the engine's default)."""
@@ -35,7 +27,6 @@ KV_DTYPES = (torch.float32, torch.bfloat16)
 """What the cache may hold; a bfloat16 cache is widened to float32 as it is read (all arithmetic is float32)."""
 
 SOURCE = Path(__file__).with_suffix(".c")
-FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
 
 
 class DecodeKernel:
@@ -121,62 +112,6 @@ def _helper() -> concurrent.futures.ThreadPoolExecutor:
 
 @functools.cache
 def load_decode_kernel() -> DecodeKernel | None:
-    """The kernel, compiled on first use (cached on disk), or None when no C compiler can build it."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.warning("no C compiler found: decode attention uses SDPA over gathered blocks")
-        return None
-    folder = _cache_folder()
-    if folder is None:
-        log.warning("no writable cache folder for the decode kernel: using SDPA")
-        return None
-    library = build_decode_kernel(compiler, folder)
-    return None if library is None else DecodeKernel(ctypes.CDLL(str(library)))
-
-
-def build_decode_kernel(compiler: str, folder: Path) -> Path | None:
-    """The shared object for this source, compiler and CPU in ``folder``, compiled unless already there;
-    None (and a warning) when the compiler fails."""
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), _compiler_id(compiler), _cpu_id()]))
-    target = folder / f"decode_kernel-{key.hexdigest()[:20]}.so"
-    if target.exists():
-        return target
-    partial = folder / f".{target.name}.{os.getpid()}"
-    result = subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE)], capture_output=True, text=True)
-    if result.returncode != 0:
-        log.warning("decode kernel did not compile (%s): using SDPA\n%s", compiler, result.stderr[-2000:])
-        partial.unlink(missing_ok=True)
-        return None
-    os.replace(partial, target)  # atomic: processes building at once each rename a whole file
-    return target
-
-
-def _compiler_id(compiler: str) -> bytes:
-    result = subprocess.run([compiler, "--version"], capture_output=True, check=False)
-    return result.stdout.split(b"\n", 1)[0]
-
-
-def _cpu_id() -> bytes:
-    """What ``-march=native`` depends on: the machine and its CPU feature flags."""
-    flags = b""
-    try:
-        for line in Path("/proc/cpuinfo").read_bytes().splitlines():
-            if line.startswith((b"flags", b"Features")):
-                flags = line
-                break
-    except OSError:
-        pass
-    return platform.machine().encode() + b"\0" + flags
-
-
-def _cache_folder() -> Path | None:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    for root in (Path(base), Path(tempfile.gettempdir())):
-        folder = root / "epd" / "kernels"
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            continue
-        if os.access(folder, os.W_OK):
-            return folder
-    return None
+    """The kernel, compiled on first use (cached on disk, native_library.py), or None when it cannot be built."""
+    library = load_library(SOURCE)
+    return None if library is None else DecodeKernel(library)

@@ -29,6 +29,7 @@ from services.worker.engine.cuda_graphs import DecodeGraphs
 from services.worker.engine.decode_batch import DecodeBatch
 from services.worker.engine.embeddings import EmbeddingPool
 from services.worker.engine.host_device import HostDevice
+from services.worker.engine.layer_kernel import load_layer_kernel
 from services.worker.engine.memory import kv_budget, profile_cuda
 from services.worker.engine.sampler import filter_top_k_top_p
 from services.worker.engine.scheduler import ScheduledChunk
@@ -107,7 +108,8 @@ class ModelRunner:
 
     def choose_forward(self) -> LeanDecoder | None:
         """The lean language-model forward when its probe matches transformers' forward exactly (the engine's
-        steps then take it, but for steps with DeepStack rows); None keeps transformers' forward."""
+        steps then take it, but for steps with DeepStack rows), on the CPU with its norms and rotary in C where
+        that matches too (layer_kernel.py); None keeps transformers' forward."""
 
         def reference(embeds: torch.Tensor, positions: torch.Tensor, attention: StepAttention) -> torch.Tensor:
             kwargs = {"attention_mask": _NO_MASK, CONTEXT_KWARG: attention}
@@ -117,6 +119,12 @@ class ModelRunner:
         if decoder is None:
             return None
         positions = functools.partial(language_model_positions, self.adapter)
+        kernel = load_layer_kernel() if self.device.type == "cpu" else None
+        weight = getattr(getattr(decoder, "norm", None), "weight", None)
+        if kernel is not None and weight is not None and kernel.matches_torch(int(weight.shape[-1]), self.dtype):
+            lean = LeanDecoder.probe(decoder, reference, self.device, self.dtype, positions, kernel)
+            if lean is not None:
+                return lean
         return LeanDecoder.probe(decoder, reference, self.device, self.dtype, positions)
 
     def kv_bytes_after_warm_up(self) -> int:
