@@ -92,7 +92,7 @@ def test_sums_in_another_order_fail_the_probe(
     and the lean forward's probe find other bits, and the model runner keeps the lean forward with torch's
     formulas."""
     wrong = LayerKernel.__new__(LayerKernel)
-    wrong.__dict__.update(kernel.__dict__, lanes=1)
+    wrong.__dict__.update(kernel.__dict__, lanes=24 - kernel.lanes)  # AVX-512's width where torch runs AVX2's, or back
     gen = torch.Generator().manual_seed(6)
     hidden, norm = torch.randn(1, 16, 1536, generator=gen), _norm(1536, torch.float32, gen)
     assert not torch.equal(wrong.add_rms_norm(norm, hidden), TORCH_OPS.add_rms_norm(norm, hidden))

@@ -36,24 +36,14 @@ static inline uint16_t to_bf16(float f) { /* c10::BFloat16's round to nearest ev
     return (uint16_t)((u + (((u >> 16) & 1) + 0x7FFF)) >> 16);
 }
 
-static inline float get(const void *p, int64_t i, int bf16) {
-    return bf16 ? from_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline void put(void *p, int64_t i, float v, int bf16) {
-    if (bf16)
-        ((uint16_t *)p)[i] = to_bf16(v);
-    else
-        ((float *)p)[i] = v;
-}
-
 static int64_t ceil_log2(int64_t x) { /* torch's utils::CeilLog2 */
     if (x <= 2) return 1;
     return 64 - __builtin_clzll((uint64_t)(x - 1));
 }
 
-/* sum(x[i] * x[i]) over a row of n float32 values in the order of torch's vectorized inner sum (see the top). */
-static float row_sum_squares(const float *x, int64_t n, int lanes) {
+/* sum(x[i] * x[i]) over a row of n float32 values in the order of torch's vectorized inner sum (see the top). Always
+ * inlined with a constant `lanes`, so the lane loops become vector operations (each lane's sums keep their order). */
+static inline __attribute__((always_inline)) float row_sum_squares(const float *x, int64_t n, const int lanes) {
     const int64_t vectors = n / lanes, size = vectors / ILP;
     int64_t power = ceil_log2(size) / LEVELS;
     if (power < 4) power = 4;
@@ -99,36 +89,68 @@ static float row_sum_squares(const float *x, int64_t n, int lanes) {
     return total;
 }
 
+/* One row of `norm_rows` (float32): h += residual in place, then out = RMSNorm(h). */
+static inline __attribute__((always_inline)) void norm_row_f32(float *h, const float *residual, int64_t width,
+                                                               const float *weight, float eps, float *out,
+                                                               const int lanes) {
+    if (residual)
+        for (int64_t i = 0; i < width; ++i) h[i] = h[i] + residual[i];
+    const float inverse = 1.0f / sqrtf(row_sum_squares(h, width, lanes) / (float)width + eps);
+    for (int64_t i = 0; i < width; ++i) out[i] = (h[i] * inverse) * weight[i];
+}
+
+/* One row (bfloat16): h += residual in place (rounded), then out = weight * bfloat16(RMSNorm's float32 value). */
+static inline __attribute__((always_inline)) void norm_row_bf16(uint16_t *h, const uint16_t *residual, int64_t width,
+                                                                const uint16_t *weight, float eps, uint16_t *out,
+                                                                float *x, const int lanes) {
+    for (int64_t i = 0; i < width; ++i) {
+        float v = from_bf16(h[i]);
+        if (residual) {
+            h[i] = to_bf16(v + from_bf16(residual[i]));
+            v = from_bf16(h[i]);
+        }
+        x[i] = v;
+    }
+    const float inverse = 1.0f / sqrtf(row_sum_squares(x, width, lanes) / (float)width + eps);
+    for (int64_t i = 0; i < width; ++i) out[i] = to_bf16(from_bf16(weight[i]) * from_bf16(to_bf16(x[i] * inverse)));
+}
+
+static void norm_f32(float *h, const float *residual, int64_t rows, int64_t width, const float *weight, float eps,
+                     float *out, const int lanes) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t at = r * width;
+        if (lanes == 16)
+            norm_row_f32(h + at, residual ? residual + at : NULL, width, weight, eps, out + at, 16);
+        else
+            norm_row_f32(h + at, residual ? residual + at : NULL, width, weight, eps, out + at, 8);
+    }
+}
+
+static void norm_bf16(uint16_t *h, const uint16_t *residual, int64_t rows, int64_t width, const uint16_t *weight,
+                      float eps, uint16_t *out, float *x, const int lanes) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t at = r * width;
+        if (lanes == 16)
+            norm_row_bf16(h + at, residual ? residual + at : NULL, width, weight, eps, out + at, x, 16);
+        else
+            norm_row_bf16(h + at, residual ? residual + at : NULL, width, weight, eps, out + at, x, 8);
+    }
+}
+
 /* For each of `rows` contiguous rows of `width`: with `residual` (else NULL), h += residual (h written back, as
- * torch's `add_`); then out = RMSNorm(h) with `weight` and `eps`. Returns 0, or -1 for a lane count this file does
- * not take or no memory for one row. */
+ * torch's `add_`); then out = RMSNorm(h) with `weight` and `eps`. `lanes`: torch's vector width, 8 or 16. Returns 0,
+ * or -1 for another lane count or no memory for one row. */
 int epd_add_rms_norm(void *h, const void *residual, int64_t rows, int64_t width, const void *weight, float eps,
                      void *out, int bf16, int lanes) {
-    if (lanes < 1 || lanes > MAX_LANES) return -1;
-    float *scratch = malloc((size_t)width * sizeof(float));
-    if (!scratch) return -1;
-    for (int64_t r = 0; r < rows; ++r) {
-        const int64_t base = r * width;
-        for (int64_t i = 0; i < width; ++i) {
-            float v = get(h, base + i, bf16);
-            if (residual) {
-                v = v + get(residual, base + i, bf16);
-                put(h, base + i, v, bf16);
-                if (bf16) v = from_bf16(to_bf16(v));
-            }
-            scratch[i] = v;
-        }
-        const float variance = row_sum_squares(scratch, width, lanes) / (float)width;
-        const float inverse = 1.0f / sqrtf(variance + eps);
-        for (int64_t i = 0; i < width; ++i) {
-            const float y = scratch[i] * inverse;
-            if (bf16)
-                put(out, base + i, get(weight, i, 1) * from_bf16(to_bf16(y)), 1);
-            else
-                put(out, base + i, y * get(weight, i, 0), 0);
-        }
+    if (lanes != 8 && lanes != 16) return -1;
+    if (!bf16) {
+        norm_f32(h, residual, rows, width, weight, eps, out, lanes);
+        return 0;
     }
-    free(scratch);
+    float *x = malloc((size_t)width * sizeof(float));
+    if (!x) return -1;
+    norm_bf16(h, residual, rows, width, weight, eps, out, x, lanes);
+    free(x);
     return 0;
 }
 
@@ -141,15 +163,21 @@ void epd_rotary(const void *x, int64_t heads, int64_t rows, int64_t dim, int64_t
     for (int64_t h = 0; h < heads; ++h)
         for (int64_t r = 0; r < rows; ++r) {
             const int64_t at = h * stride_h + r * stride_r, cs = r * stride_cs, o = (h * rows + r) * dim;
+            if (!bf16) {
+                const float *v = (const float *)x + at, *c = (const float *)cos + cs, *s = (const float *)sin + cs;
+                float *y = (float *)out + o;
+                for (int64_t d = 0; d < half; ++d) y[d] = v[d] * c[d] + (-v[d + half]) * s[d];
+                for (int64_t d = half; d < dim; ++d) y[d] = v[d] * c[d] + v[d - half] * s[d];
+                continue;
+            }
+            const uint16_t *v = (const uint16_t *)x + at, *c = (const uint16_t *)cos + cs;
+            const uint16_t *s = (const uint16_t *)sin + cs;
+            uint16_t *y = (uint16_t *)out + o;
             for (int64_t d = 0; d < dim; ++d) {
-                const float v = get(x, at + d, bf16);
-                const float rotated = d < half ? -get(x, at + d + half, bf16) : get(x, at + d - half, bf16);
-                float a = v * get(cos, cs + d, bf16), b = rotated * get(sin, cs + d, bf16);
-                if (bf16) {
-                    a = from_bf16(to_bf16(a));
-                    b = from_bf16(to_bf16(b));
-                }
-                put(out, o + d, a + b, bf16);
+                const float rotated = d < half ? -from_bf16(v[d + half]) : from_bf16(v[d - half]);
+                const float a = from_bf16(to_bf16(from_bf16(v[d]) * from_bf16(c[d])));
+                const float b = from_bf16(to_bf16(rotated * from_bf16(s[d])));
+                y[d] = to_bf16(a + b);
             }
         }
 }

@@ -42,6 +42,8 @@ class LayerKernel:
     ``lanes``-float vectors (a probe decides; tests compare both across widths, row counts and dtypes)."""
 
     def __init__(self, library: ctypes.CDLL, lanes: int) -> None:
+        if lanes not in (8, 16):
+            raise ValueError(f"layer kernel: torch's vector width is 8 or 16 floats, not {lanes}")
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         norm = library.epd_add_rms_norm
         norm.argtypes = [ptr, ptr, i64, i64, ptr, ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
