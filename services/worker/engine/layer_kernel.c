@@ -89,7 +89,7 @@ static inline __attribute__((always_inline)) float row_sum_squares(const float *
     return total;
 }
 
-/* One row of `norm_rows` (float32): h += residual in place, then out = RMSNorm(h). */
+/* One row of `norm_f32`: h += residual in place, then out = RMSNorm(h). */
 static inline __attribute__((always_inline)) void norm_row_f32(float *h, const float *residual, int64_t width,
                                                                const float *weight, float eps, float *out,
                                                                const int lanes) {
@@ -99,7 +99,7 @@ static inline __attribute__((always_inline)) void norm_row_f32(float *h, const f
     for (int64_t i = 0; i < width; ++i) out[i] = (h[i] * inverse) * weight[i];
 }
 
-/* One row (bfloat16): h += residual in place (rounded), then out = weight * bfloat16(RMSNorm's float32 value). */
+/* One row of `norm_bf16`: h += residual in place (rounded), then out = weight * bfloat16(RMSNorm's float32 value). */
 static inline __attribute__((always_inline)) void norm_row_bf16(uint16_t *h, const uint16_t *residual, int64_t width,
                                                                 const uint16_t *weight, float eps, uint16_t *out,
                                                                 float *x, const int lanes) {
