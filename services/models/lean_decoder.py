@@ -161,7 +161,8 @@ class LeanDecoder:
             log.info("language model forward: transformers' (the lean forward failed its probe: %s)", exc)
             return None
         if not same:
-            log.info("language model forward: transformers' (the lean forward differs from it on the probe)")
+            log.info("language model forward: not the lean one with %s (it differs from transformers' on the probe)",
+                     decoder.ops)  # fmt: skip
             return None
         log.info("language model forward: lean, %s (bit-identical to transformers' on the probe)", decoder.ops)
         return decoder

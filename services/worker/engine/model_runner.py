@@ -119,13 +119,11 @@ class ModelRunner:
         if decoder is None:
             return None
         positions = functools.partial(language_model_positions, self.adapter)
-        kernel = load_layer_kernel() if self.device.type == "cpu" else None
-        weight = getattr(getattr(decoder, "norm", None), "weight", None)
-        if kernel is not None and weight is not None and kernel.matches_torch(int(weight.shape[-1]), self.dtype):
-            lean = LeanDecoder.probe(decoder, reference, self.device, self.dtype, positions, kernel)
-            if lean is not None:
-                return lean
-        return LeanDecoder.probe(decoder, reference, self.device, self.dtype, positions)
+        lean = LeanDecoder.probe(decoder, reference, self.device, self.dtype, positions)
+        kernel = load_layer_kernel() if lean is not None and self.device.type == "cpu" else None
+        if kernel is None or not kernel.matches_torch(int(lean.norm.weight.shape[-1]), self.dtype):
+            return lean
+        return LeanDecoder.probe(decoder, reference, self.device, self.dtype, positions, kernel) or lean
 
     def kv_bytes_after_warm_up(self) -> int:
         """The KV budget when none is configured: ``CPU_KV_CACHE_BYTES`` off CUDA; on CUDA what
