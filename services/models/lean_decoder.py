@@ -175,7 +175,7 @@ class LeanDecoder:
         batch, rows, _ = hidden.shape
         cos, sin = self.rotary(hidden, self.positions(position_ids))
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        x = ops.add_rms_norm(self.layers[0].input_norm, hidden) if self.layers else hidden
+        x = ops.add_rms_norm(self.layers[0].input_norm, hidden)
         for i, layer in enumerate(self.layers):
             q, k, v = _attention_inputs(layer, x, cos, sin, ops)
             out = attention.attend(layer.index, q[0], k[0], v[0], layer.scaling).unsqueeze(0)
@@ -193,7 +193,7 @@ class LeanDecoder:
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x = ops.add_rms_norm(following, mixed, hidden)
             hidden = mixed
-        return x if self.layers else ops.add_rms_norm(self.norm, hidden)
+        return x
 
 
 def _attention_inputs(
@@ -250,10 +250,13 @@ def _fused(parts: list[nn.Module]) -> tuple[nn.Module | None, tuple[int, ...]]:
 
 
 def _read_layers(language_model: nn.Module) -> list[_Layer] | None:
-    """Each layer's modules, or None when a layer lacks one this forward calls (or has a sliding window)."""
+    """Each layer's modules, or None when a layer lacks one this forward calls (or has a sliding window), or there
+    is none."""
     for name in ("layers", "rotary_emb", "norm"):
         if getattr(language_model, name, None) is None:
             return None
+    if len(language_model.layers) == 0:  # the forward reads its first layer's norm
+        return None
     layers = []
     for i, layer in enumerate(language_model.layers):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
