@@ -34,6 +34,10 @@ def _field(data: bytes) -> bytes:
     return struct.pack("<Q", len(data)) + data
 
 
+def _packed(token_ids: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(token_ids)}I", *token_ids)
+
+
 def block_extra_keys(start: int, end: int, media: Sequence[MediaSpan]) -> list[ExtraKey]:
     """Extra keys for the block of tokens ``[start, end)``: one per overlapping media span, in order."""
     keys = []
@@ -45,15 +49,17 @@ def block_extra_keys(start: int, end: int, media: Sequence[MediaSpan]) -> list[E
 
 def hash_block(parent: bytes, token_ids: Sequence[int], extra_keys: Sequence[ExtraKey], cache_salt: str = "") -> bytes:
     """sha256 of one block chained to ``parent``; pass ``cache_salt`` for block 0 only."""
-    h = hashlib.sha256()
-    h.update(_field(parent))
-    h.update(_field(struct.pack(f"<{len(token_ids)}I", *token_ids)))
-    h.update(struct.pack("<Q", len(extra_keys)))
+    return _hash_packed(parent, _packed(token_ids), extra_keys, cache_salt)
+
+
+def _hash_packed(parent: bytes, packed_tokens: bytes, extra_keys: Sequence[ExtraKey], cache_salt: str) -> bytes:
+    """`hash_block` of a block whose token ids are already packed (`_packed`): the one layout of the hashed bytes,
+    hashed in one call (a prompt's blocks are hashed on every request the router places)."""
+    fields = [_field(parent), _field(packed_tokens), struct.pack("<Q", len(extra_keys))]
     for key in extra_keys:
-        h.update(_field(key.mm_hash.encode()))
-        h.update(struct.pack("<Q", key.offset_in_item))
-    h.update(_field(cache_salt.encode()))
-    return h.digest()
+        fields += (_field(key.mm_hash.encode()), struct.pack("<Q", key.offset_in_item))
+    fields.append(_field(cache_salt.encode()))
+    return hashlib.sha256(b"".join(fields)).digest()
 
 
 def extend_block_hashes(
@@ -70,11 +76,17 @@ def extend_block_hashes(
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    for index in range(len(hashes), len(token_ids) // block_size):
+    first, full = len(hashes), len(token_ids) // block_size
+    if first >= full:
+        return hashes
+    packed = _packed(token_ids[first * block_size : full * block_size])  # every new block's ids packed at once
+    width = 4 * block_size
+    for index in range(first, full):
         start, end = index * block_size, (index + 1) * block_size
         parent = hashes[-1] if hashes else ROOT_HASH
         keys = block_extra_keys(start, end, media)
-        hashes.append(hash_block(parent, token_ids[start:end], keys, cache_salt if index == 0 else ""))
+        block = packed[(index - first) * width : (index - first + 1) * width]
+        hashes.append(_hash_packed(parent, block, keys, cache_salt if index == 0 else ""))
     return hashes
 
 

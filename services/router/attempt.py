@@ -113,7 +113,7 @@ class Attempts:
         pending: Pending,
         local: bool = False,
     ):
-        """One worker serving the request: admission, the encode task, the stream; the chunks for the client
+        """One worker serving the request: admission, the encode task, the stream; the client's responses (each a chunk)
         (`sources`: its media's `media_sources` keys, remembered once their embeddings are cached; `pending`: what
         `precheck` counted for them, settled by `check_room`). With a remote
         prefill (placement paired the worker with a prefill worker; never when `local`) the embeddings go to the
@@ -170,9 +170,9 @@ class Attempts:
         served = False
         try:
             stream = self._stream(call, admitted.worker, encode, vanished, state, end, prefill, deadline)
-            async with contextlib.aclosing(stream) as chunks:
-                async for chunk in chunks:
-                    yield chunk
+            async with contextlib.aclosing(stream) as responses:
+                async for response in responses:
+                    yield response
             served = True
         finally:
             watch.cancel()
@@ -215,17 +215,17 @@ class Attempts:
         prefill: asyncio.Task | None = None,
         deadline: float = float("inf"),
     ):
-        """The worker's responses as client chunks until every choice is done or the stream ends. `prefill`: the
-        remote prefill's task, whose failure, or the decode worker's deadline for its KV, is WorkerLost of the
-        prefill worker (the next attempt prefills locally)."""
+        """The worker's responses as the client's (each a chunk) until every choice is done or the stream ends.
+        `prefill`: the remote prefill's task, whose failure, or the decode worker's deadline for its KV, is
+        WorkerLost of the prefill worker (the next attempt prefills locally)."""
         answered = False  # a response of this attempt arrived (after a remote prefill: its KV did)
         try:
             while (response := await call.read()) is not None:
                 answered = True
                 end.released_at = response.state_at or end.released_at  # set on the worker's last message only
-                chunk = state.take(response, self._metrics)
-                if chunk is not None:
-                    yield chunk
+                out = state.take(response, self._metrics)
+                if out is not None:
+                    yield out
                 if state.choices.done:  # every choice finished, or ended here at a stop string
                     break
         except RelayLostError as exc:

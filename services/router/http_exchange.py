@@ -109,7 +109,7 @@ async def events(
         pending = sse_all(writer.start())  # goes out with the first response's events
         response: generation_pb2.GenerateResponse | None = first
         while response is not None:
-            events, pending = pending + sse_all(writer.add(response)), b""
+            events, pending = pending + writer.encoded(response), b""
             if response.HasField("final"):
                 pending = events  # goes out with [DONE]
             elif events:

@@ -19,7 +19,7 @@ UNAVAILABLE naming the worker and the count. Each migration is counted once, by 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import grpc
@@ -65,7 +65,7 @@ class Progress:
     def __post_init__(self) -> None:
         self.tokens = [[] for _ in range(max(self.n, 1))]
 
-    def add(self, index: int, token_ids: list[int]) -> None:
+    def add(self, index: int, token_ids: Iterable[int]) -> None:
         self.tokens[index].extend(token_ids)
 
     @property

@@ -22,6 +22,8 @@ from services.common.rpc.epd.v1 import common_pb2, generation_pb2
 from services.router.tool_calls import ToolCallStream, parse_tool_calls
 
 DONE = b"data: [DONE]\n\n"
+_HOLE = "\x00epd-content\x00"  # where a content event's text goes (`ChunkWriter.encoded`)
+_HOLE_JSON = orjson.dumps(_HOLE)
 LOWEST_LOGPROB = -9999.0  # what -inf is sent as (JSON has no infinities), as vLLM does
 
 
@@ -115,6 +117,7 @@ class ChunkWriter:
     tools: bool = False  # tools were offered: calls leave the content and stream as `delta.tool_calls`
     _calls: dict[int, ToolCallStream] = field(default_factory=dict)
     _made: dict[int, int] = field(default_factory=dict)  # calls streamed per choice
+    _frames: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)  # per choice: a content event's two ends
 
     def _chunk(self, index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -146,6 +149,23 @@ class ChunkWriter:
         if self.usage.include:
             out.append(self.envelope.wrap("chat.completion.chunk", choices=[], usage=usage_json(final.usage)))
         return out
+
+    def encoded(self, response: generation_pb2.GenerateResponse) -> bytes:
+        """`add`'s events as the body's bytes. A token's plain content event (no tools, no logprobs, usage fixed)
+        is its choice's event encoded once with the text left out, the text's JSON string put between the two
+        ends: the same bytes as encoding the whole object, without building and encoding it per token."""
+        if self.tools or self.logprobs or self.usage.continuous or not response.HasField("chunk"):
+            return sse_all(self.add(response))
+        chunk = response.chunk
+        self.usage.take(chunk)
+        if not chunk.text and not chunk.token_ids:
+            return b""
+        frame = self._frames.get(chunk.index)
+        if frame is None:
+            event = sse(self._chunk(chunk.index, {"content": _HOLE}))
+            head, tail = event.rsplit(_HOLE_JSON, 1)  # nothing after the content is the client's or the model's
+            frame = self._frames[chunk.index] = (head, tail)
+        return frame[0] + orjson.dumps(chunk.text) + frame[1]
 
     def _call_chunk(self, index: int, call: generation_pb2.ToolCall) -> dict[str, Any]:
         number = self._made[index] = self._made.get(index, -1) + 1
@@ -245,6 +265,10 @@ class TextChunkWriter:
 
     def start(self) -> list[dict[str, Any]]:
         return []
+
+    def encoded(self, response: generation_pb2.GenerateResponse) -> bytes:
+        """`add`'s events as the body's bytes."""
+        return sse_all(self.add(response))
 
     def add(self, response: generation_pb2.GenerateResponse) -> list[dict[str, Any]]:
         if response.HasField("chunk"):

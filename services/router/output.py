@@ -62,8 +62,9 @@ class Detokenizer:
     def _advance(self, token_ids: list[int]) -> None:
         """Append the newly decodable text, holding back an incomplete UTF-8 sequence."""
         if self._stream is not None:
-            try:
-                self._text += self._stream.step(self._backend, token_ids) or ""
+            try:  # one token (the common case) passed as an int: the stream takes it without a list's conversion
+                step = token_ids[0] if len(token_ids) == 1 else token_ids
+                self._text += self._stream.step(self._backend, step) or ""
                 return
             except Exception:  # the stream refuses some byte-fallback sequences: decode by windows from here on
                 self._stream, self._prefix, self._read, self._text = None, 0, 0, ""
@@ -149,25 +150,31 @@ class ChoiceStream:
     completion_tokens: int = 0
     finish_reason: str = ""
 
-    def chunk(self, response: worker_pb2.WorkerResponse, texts: TokenTexts) -> generation_pb2.Chunk | None:
-        """The chunk to stream for the worker's response for this choice; None once the choice has ended."""
+    def chunk(self, response: worker_pb2.WorkerResponse, texts: TokenTexts) -> generation_pb2.GenerateResponse | None:
+        """The response carrying the chunk to stream for the worker's response for this choice (built in place:
+        the client's message, not a chunk copied into one); None once the choice has ended."""
         if self.finish_reason:
             return None
-        self.completion_tokens += len(response.token_ids)
         token_ids = list(response.token_ids)
-        if response.finished and response.finish_reason == "stop" and token_ids:
-            token_ids.pop()  # the eos or stop_token_ids entry that ended it: in token_ids, not in the text (vLLM)
-        delta = self.detok.add(token_ids)
+        self.completion_tokens += len(token_ids)
+        stopped_on_id = response.finished and response.finish_reason == "stop" and token_ids
+        # the eos or stop_token_ids entry that ended it: in token_ids, not in the text (vLLM)
+        delta = self.detok.add(token_ids[:-1] if stopped_on_id else token_ids)
         text = delta.text + (self.detok.flush() if response.finished and not delta.stopped else "")
         if delta.stopped or response.finished:
             self.finish_reason = "stop" if delta.stopped else response.finish_reason
-        for entry in response.logprobs:
-            entry.token = texts(entry.token_id)
-            for top in entry.top:
-                top.token = texts(top.token_id)
-        return generation_pb2.Chunk(
-            token_ids=response.token_ids, text=text, index=self.index, logprobs=response.logprobs
-        )
+        out = generation_pb2.GenerateResponse()
+        chunk = out.chunk
+        chunk.token_ids.extend(token_ids)
+        chunk.text = text
+        chunk.index = self.index
+        if response.logprobs:
+            for entry in response.logprobs:
+                entry.token = texts(entry.token_id)
+                for top in entry.top:
+                    top.token = texts(top.token_id)
+            chunk.logprobs.extend(response.logprobs)
+        return out
 
 
 class Choices:
@@ -176,17 +183,23 @@ class Choices:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str], n: int, texts: TokenTexts) -> None:
         self.streams = [ChoiceStream(i, Detokenizer(tokenizer, list(stop))) for i in range(max(n, 1))]
         self._texts = texts
+        self._open = len(self.streams)  # choices not ended yet
 
     @property
     def done(self) -> bool:
         """Every choice has ended: nothing more is to be streamed."""
-        return all(stream.finish_reason for stream in self.streams)
+        return not self._open
 
-    def chunk(self, response: worker_pb2.WorkerResponse) -> generation_pb2.Chunk | None:
-        """The chunk for a worker response (the choice ``response.index``), None when there is nothing to stream."""
+    def chunk(self, response: worker_pb2.WorkerResponse) -> generation_pb2.GenerateResponse | None:
+        """The response carrying the chunk for a worker response (the choice ``response.index``), None when there
+        is nothing to stream."""
         if response.index >= len(self.streams):
             raise ValueError(f"worker answered for choice {response.index} of {len(self.streams)}")
-        return self.streams[response.index].chunk(response, self._texts)
+        stream = self.streams[response.index]
+        out = stream.chunk(response, self._texts)
+        if out is not None and stream.finish_reason:
+            self._open -= 1
+        return out
 
     def ends(self, unfinished: str = "length") -> list[generation_pb2.ChoiceEnd]:
         """How each choice ended (``unfinished`` for one the worker's stream left open)."""

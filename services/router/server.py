@@ -215,9 +215,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 attempt = continuation(base, state.progress, migrations.done)
                 try:
                     run = self.attempts.run(attempt, accounted, deadline, state, sources, pending, local)
-                    async with contextlib.aclosing(run) as chunks:
-                        async for chunk in chunks:
-                            yield generation_pb2.GenerateResponse(chunk=chunk)
+                    async with contextlib.aclosing(run) as responses:
+                        async for response in responses:
+                            yield response
                     break
                 except WorkerLost as lost:
                     local = local or lost.reason == PREFILL_LOST

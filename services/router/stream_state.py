@@ -40,8 +40,11 @@ class StreamState:
     _last: float = field(default=0.0, repr=False)
     _told_prompt: bool = field(default=False, repr=False)
 
-    def take(self, response: worker_pb2.WorkerResponse, metrics: RouterMetrics) -> generation_pb2.Chunk | None:
-        """A worker response in: record its timing, keep its tokens, return the chunk to stream (if any)."""
+    def take(
+        self, response: worker_pb2.WorkerResponse, metrics: RouterMetrics
+    ) -> generation_pb2.GenerateResponse | None:
+        """A worker response in: record its timing, keep its tokens, return the response carrying the chunk to
+        stream (if any)."""
         now = time.perf_counter()
         if not self.first_token_s:
             self.first_token_s, self.prefill_s, self._last = now - self.start, response.prefill_s, now
@@ -52,14 +55,15 @@ class StreamState:
             self._last = now
         if response.index == 0:
             self.cached = response.cached_tokens
-        chunk = self.choices.chunk(response)
-        if chunk is not None:
-            self.progress.add(response.index, list(response.token_ids))
+        out = self.choices.chunk(response)
+        if out is not None:
+            chunk = out.chunk
+            self.progress.add(response.index, chunk.token_ids)
             if self.tools:
                 self.texts.setdefault(response.index, []).append(chunk.text)
             if not self._told_prompt:
                 chunk.prompt_tokens, self._told_prompt = self.prompt_tokens, True
-        return chunk
+        return out
 
     def final(self, accounted: Accounted, request_id: str, migrations: int) -> generation_pb2.Final:
         usage = generation_pb2.Usage(

@@ -21,7 +21,14 @@ from services.router.openai_request import (
     completion_request,
     generate_request,
 )
-from services.router.openai_response import ChunkWriter, Envelope, StreamUsage, TextChunkWriter, TextCompletionBuilder
+from services.router.openai_response import (
+    ChunkWriter,
+    Envelope,
+    StreamUsage,
+    TextChunkWriter,
+    TextCompletionBuilder,
+    sse_all,
+)
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -210,6 +217,30 @@ def test_continuous_usage_counts_every_streamed_token() -> None:
     ]
     plain = ChunkWriter(envelope, 1, StreamUsage(include=True))
     assert [c["usage"] for response in chunks for c in plain.add(response)] == [None, None, None]
+
+
+@pytest.mark.parametrize("usage", [StreamUsage(), StreamUsage(include=True), StreamUsage(True, True)])
+def test_a_streamed_chunks_bytes_are_its_objects_encoded(usage: StreamUsage) -> None:
+    """`encoded` (a content event from its choice's encoded ends) gives the bytes of `add`'s objects encoded
+    whole, for any text JSON escapes, held-back tokens (empty content), several choices and the final's events;
+    an id holding the hole's own text is still cut at the content."""
+    hole = "\x00epd-content\x00"
+    texts = ["plain", "", 'quote " back \\ slash', "new\nline\ttab", "\u00e9\u4e2d\U0001f600", "\x00\x1f", hole]
+    chunks = [
+        generation_pb2.GenerateResponse(chunk=generation_pb2.Chunk(text=text, token_ids=[i + 1], index=i % 2))
+        for i, text in enumerate(texts)
+    ]
+    chunks.append(generation_pb2.GenerateResponse(chunk=generation_pb2.Chunk(index=1)))  # no token, no text
+    final = generation_pb2.Final(
+        finish_reason="length",
+        usage=generation_pb2.Usage(prompt_tokens=3, completion_tokens=7),
+        choices=[generation_pb2.ChoiceEnd(index=0, finish_reason="length"), generation_pb2.ChoiceEnd(index=1)],
+    )
+    for envelope in (Envelope("chatcmpl-1", 5, "m"), Envelope(f"chatcmpl-{hole}", 5, f"model {hole}")):
+        fast = ChunkWriter(envelope, 2, StreamUsage(usage.include, usage.continuous))
+        slow = ChunkWriter(envelope, 2, StreamUsage(usage.include, usage.continuous))
+        for response in [*chunks, generation_pb2.GenerateResponse(final=final)]:
+            assert fast.encoded(response) == sse_all(slow.add(response))
 
 
 def test_openapi_document_states_the_request_models() -> None:

@@ -86,9 +86,10 @@ def test_choices_keep_their_own_text_stop_state_and_counts(tiny_model_dir: Path)
             response = worker_pb2.WorkerResponse(
                 token_ids=piece, index=index, finished=last, finish_reason="length" if last else "", logprobs=logprobs
             )
-            chunk = choices.chunk(response)
-            if chunk is None:
+            out = choices.chunk(response)
+            if out is None:
                 continue
+            chunk = out.chunk
             assert chunk.index == index and list(chunk.token_ids) == piece
             assert [e.token for e in chunk.logprobs] == [tokenizer.decode([t]) for t in piece]
             assert [e.top[0].token for e in chunk.logprobs] == [tokenizer.decode([t]) for t in piece]

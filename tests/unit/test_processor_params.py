@@ -104,9 +104,11 @@ def test_the_stop_token_is_in_the_token_ids_not_in_the_text(adapter: Any) -> Non
     tokenizer = adapter.tokenizer
     words = tokenizer.encode("the cat sat", add_special_tokens=False)
     choices = Choices(tokenizer, [], 2, TokenTexts(tokenizer))
-    stopped = choices.chunk(worker_pb2.WorkerResponse(token_ids=words, finished=True, finish_reason="stop"))
+    stopped = choices.chunk(worker_pb2.WorkerResponse(token_ids=words, finished=True, finish_reason="stop")).chunk
     assert list(stopped.token_ids) == words and stopped.text == tokenizer.decode(words[:-1])
-    length = choices.chunk(worker_pb2.WorkerResponse(token_ids=words, index=1, finished=True, finish_reason="length"))
+    length = choices.chunk(
+        worker_pb2.WorkerResponse(token_ids=words, index=1, finished=True, finish_reason="length")
+    ).chunk
     assert length.text == tokenizer.decode(words)
 
 
