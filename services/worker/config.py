@@ -27,7 +27,9 @@ ENGINE_PROCESS_MODES = ("auto", "on", "off")
 class WorkerConfig(ServiceConfig, EngineConfig):
     port: int = 50071
     heartbeat_interval_s: float = dataclasses.field(default=0.2, metadata={"help": "registry heartbeat"})
-    compute_nice: int = dataclasses.field(default=0, metadata={"help": "nice increment for the engine thread (0: off)"})
+    compute_nice: int = dataclasses.field(
+        default=10, metadata={"help": "nice increment for the engine thread and its torch threads (0: off)"}
+    )
     max_image_pixels: int = dataclasses.field(default=50_000_000, metadata={"help": "pixels per co-located image"})
     embedding_timeout_s: float = dataclasses.field(default=60.0, metadata={"help": "wait per embedding"})
     kv_transfer_timeout_s: float = dataclasses.field(
