@@ -290,11 +290,24 @@ def test_worker_ends_a_request_whose_embedding_never_comes(cluster: Cluster) -> 
                 assert not response.token_ids, "no token can come before the image's embedding"
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert never[:16] in info.value.details()
-    deadline = time.monotonic() + 5  # the abort reaches the engine thread a moment after the status
-    while metric_value(worker.metrics_port, "epd_kv_cache_reserved_blocks") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert metric_value(worker.metrics_port, "epd_kv_cache_reserved_blocks") == 0
+    assert_nothing_reserved(worker.metrics_port, "after the embedding's deadline")
     assert list(cluster.client.generate(user_request(PROMPT, max_tokens=MAX_TOKENS)).token_ids)
+
+
+def assert_nothing_reserved(metrics_port: int, when: str) -> None:
+    """No KV block stays reserved at the worker for half a second, within 5 s. The abort reaches the engine a
+    moment after the status, and the worker's view of the engine a moment after that; a read just after the
+    status may still show the view from before the admission (the engine answers an admission before its next
+    snapshot), so a first 0 proves nothing."""
+    deadline, free_since = time.monotonic() + 5, None
+    while time.monotonic() < deadline and (free_since is None or time.monotonic() - free_since < 0.5):
+        if metric_value(metrics_port, "epd_kv_cache_reserved_blocks"):
+            free_since = None
+        elif free_since is None:
+            free_since = time.monotonic()
+        time.sleep(0.05)
+    left = metric_value(metrics_port, "epd_kv_cache_reserved_blocks")
+    assert free_since is not None and not left, f"{left} blocks reserved 5 s {when}"
 
 
 def _text_request(adapter, request_id: str, prompt: str, relay_id: str = "") -> worker_pb2.WorkerRequest:
@@ -352,16 +365,4 @@ def test_a_relay_carries_its_requests_tokens_batched_per_step(cluster: Cluster) 
         with pytest.raises(grpc.RpcError) as ended:
             list(bound)
     assert ended.value.code() == grpc.StatusCode.UNAVAILABLE and "relay" in ended.value.details()
-    deadline = time.monotonic() + 5  # the abort reaches the engine thread a moment after the status
-    while metric_value(worker.metrics_port, "epd_kv_cache_reserved_blocks") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    left = metric_value(worker.metrics_port, "epd_kv_cache_reserved_blocks")
-    if left:  # seen three times in CI (253: the 4,000-token request's), 0 again after one more request
-        # running then tells an abort that never reached the engine (1: the request decodes on) from a stale view
-        running_then = metric_value(worker.metrics_port, "epd_num_requests_running")
-        with grpc.insecure_channel(worker.address) as channel:
-            list(worker_pb2_grpc.WorkerStub(channel).Generate(_text_request(adapter, "probe", PROMPT), timeout=60))
-        after = metric_value(worker.metrics_port, "epd_kv_cache_reserved_blocks")
-        running = metric_value(worker.metrics_port, "epd_num_requests_running")
-        raise AssertionError(f"{left} blocks reserved and {running_then} running 5 s after the relay closed; after "
-                             f"one more request {after}, {running} running")  # fmt: skip
+    assert_nothing_reserved(worker.metrics_port, "after the relay closed")
