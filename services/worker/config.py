@@ -28,7 +28,7 @@ class WorkerConfig(ServiceConfig, EngineConfig):
     port: int = 50071
     heartbeat_interval_s: float = dataclasses.field(default=0.2, metadata={"help": "registry heartbeat"})
     compute_nice: int = dataclasses.field(
-        default=10, metadata={"help": "nice increment for the engine thread and its torch threads (0: off)"}
+        default=0, metadata={"help": "nice increment for the engine thread and its torch threads (0: off)"}
     )
     max_image_pixels: int = dataclasses.field(default=50_000_000, metadata={"help": "pixels per co-located image"})
     embedding_timeout_s: float = dataclasses.field(default=60.0, metadata={"help": "wait per embedding"})
