@@ -113,9 +113,9 @@ class Attempts:
         pending: Pending,
         local: bool = False,
     ):
-        """One worker serving the request: admission, the encode task, the stream; the client's responses (each a chunk)
-        (`sources`: its media's `media_sources` keys, remembered once their embeddings are cached; `pending`: what
-        `precheck` counted for them, settled by `check_room`). With a remote
+        """One worker serving the request: admission, the encode task, the stream; the client's responses, each a
+        chunk (`sources`: its media's `media_sources` keys, remembered once their embeddings are cached; `pending`:
+        what `precheck` counted for them, settled by `check_room`). With a remote
         prefill (placement paired the worker with a prefill worker; never when `local`) the embeddings go to the
         prefill worker and a task runs its prefill, whose failure cancels the stream (WorkerLost, reason
         PREFILL_LOST). Raises WorkerLost when the worker fails in a way another worker may cure."""
