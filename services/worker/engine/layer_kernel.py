@@ -3,8 +3,9 @@
 transformers' RMSNorm is six to ten torch calls and its rotary five, each paying ~3-5 us of dispatch and a fresh
 tensor on a CPU; on a small model's decode step that was ~8 % of the step (256-wide, 8 layers, 16 rows: 17 norms at
 ~26 us and 8 rotaries at ~24 us on an AVX2 EPYC). `LayerKernel` computes both in one ctypes call each, in the same
-order of operations as torch's CPU kernels, including its summation order for the norm's mean (which follows torch's
-vector width, read from ``torch.backends.cpu.get_cpu_capability()``). It implements the lean forward's `LayerOps`;
+order of operations as torch's CPU kernels, including its summation order for the norm's mean (which follows the
+vector width of torch's sum kernel: found by computing both widths' sums against torch's at load, since an AVX-512 CPU
+runs torch's AVX2 sum, 8 floats wide, not the 16 its capability names). It implements the lean forward's `LayerOps`;
 the model runner hands it to `LeanDecoder.probe`, which takes it only where the whole forward is the same bits as
 transformers'. Tensors it does not take (another dtype, a layout without a contiguous last dimension) go to torch's
 formulas (`TORCH_OPS`).
@@ -30,9 +31,10 @@ TORCH_GRAIN = 32768
 """torch sums a row this long or longer on several threads at once, in another order: those stay torch's."""
 
 
-def torch_lanes() -> int:
-    """Floats in one of torch's CPU vectors, which its sums are ordered by: 16 in its AVX-512 kernels, else 8."""
-    return 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
+LANES = (8, 16)
+"""The vector widths, in floats, torch's CPU sums may be ordered by (AVX2's and AVX-512's)."""
+LANES_PROBE_WIDTH = 1000
+"""A row with vectors of either width, a cascade of them and a scalar tail: the width the lane count is found on."""
 
 
 class LayerKernel:
@@ -128,6 +130,14 @@ class _Norm:
 
 @functools.cache
 def load_layer_kernel() -> LayerKernel | None:
-    """The kernel, compiled on first use (cached on disk, native_library.py), or None when it cannot be built."""
+    """The kernel, compiled on first use (cached on disk, native_library.py), summing in the vector width whose order
+    gives torch's bits on this CPU; None when it cannot be built or neither width does (torch's formulas then)."""
     library = load_library(SOURCE, FLAGS)
-    return None if library is None else LayerKernel(library, torch_lanes())
+    if library is None:
+        return None
+    for lanes in LANES:
+        kernel = LayerKernel(library, lanes)
+        if kernel.matches_torch(LANES_PROBE_WIDTH, torch.float32):
+            return kernel
+    return None
+
