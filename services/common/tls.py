@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.common.grpc_server import channel_options
-from services.common.rpc_context import client_interceptors
+from services.common.rpc_context import ContextChannel
 from services.common.watched_files import WatchedFiles
 
 log = logging.getLogger(__name__)
@@ -127,11 +127,9 @@ def aio_channel(address: str, tls: ClientTls | None) -> grpc.aio.Channel:
     """An asyncio channel to `address`: TLS with our client certificate when `tls`, else plaintext; each call
     carries the current request id and trace context (services/common/rpc_context.py)."""
     if tls is None:
-        return grpc.aio.insecure_channel(address, options=channel_options(), interceptors=client_interceptors())
+        return ContextChannel(grpc.aio.insecure_channel(address, options=channel_options()))
     tls.refresh()
-    return grpc.aio.secure_channel(
-        address, tls.credentials(), options=tls.options(), interceptors=client_interceptors()
-    )
+    return ContextChannel(grpc.aio.secure_channel(address, tls.credentials(), options=tls.options()))
 
 
 def sync_channel(address: str, tls: ClientTls | None) -> grpc.Channel:

@@ -96,7 +96,7 @@ def test_request_ids_from_clients_are_cleaned(given: str, accepted: str) -> None
 
 class Echo(generation_pb2_grpc.GenerationServicer):
     """Records the request and trace ids each CountTokens call runs with; a request named "hop" calls the
-    server once more through a channel with the client interceptors."""
+    server once more through a `ContextChannel`."""
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, str]] = []
@@ -105,7 +105,7 @@ class Echo(generation_pb2_grpc.GenerationServicer):
     async def CountTokens(self, request, context):  # noqa: N802
         self.seen.append((logs.current_request_id(), logs.current_trace_id()))
         if request.request_id == "hop":
-            channel = grpc.aio.insecure_channel(self.address, interceptors=rpc_context.client_interceptors())
+            channel = rpc_context.ContextChannel(grpc.aio.insecure_channel(self.address))
             async with channel:
                 await generation_pb2_grpc.GenerationStub(channel).CountTokens(generation_pb2.GenerateRequest())
         return generation_pb2.TokenCount(prompt_tokens=1)
@@ -131,5 +131,5 @@ def test_request_id_and_trace_context_cross_a_real_grpc_hop() -> None:
 
     seen, initial = asyncio.run(run())
     assert initial["x-request-id"] == "req-9"
-    assert seen == [("req-9", "ab" * 16), ("req-9", "ab" * 16)]  # the second call came through the client interceptor
+    assert seen == [("req-9", "ab" * 16), ("req-9", "ab" * 16)]  # the second call came through the ContextChannel
     assert trace.get_current_span().get_span_context().is_valid is False  # nothing leaked into this thread
