@@ -24,6 +24,7 @@ from services.router.tool_calls import ToolCallStream, parse_tool_calls
 DONE = b"data: [DONE]\n\n"
 _HOLE = "\x00epd-content\x00"  # where a content event's text goes (`ChunkWriter.encoded`)
 _HOLE_JSON = orjson.dumps(_HOLE)
+_USAGE_HOLE_JSON = orjson.dumps(_HOLE + "usage")  # where a content event's continuous usage goes
 LOWEST_LOGPROB = -9999.0  # what -inf is sent as (JSON has no infinities), as vLLM does
 
 
@@ -105,6 +106,15 @@ class StreamUsage:
             return {"usage": {**usage, "total_tokens": total}}
         return {"usage": None} if self.include else {}
 
+    def encoded(self) -> bytes:
+        """`fields()["usage"]` of continuous usage as its compact JSON (orjson's bytes for that object)."""
+        total = self.prompt_tokens + self.completion_tokens
+        return b'{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}' % (
+            self.prompt_tokens,
+            self.completion_tokens,
+            total,
+        )
+
 
 @dataclass
 class ChunkWriter:
@@ -117,11 +127,15 @@ class ChunkWriter:
     tools: bool = False  # tools were offered: calls leave the content and stream as `delta.tool_calls`
     _calls: dict[int, ToolCallStream] = field(default_factory=dict)
     _made: dict[int, int] = field(default_factory=dict)  # calls streamed per choice
-    _frames: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)  # per choice: a content event's two ends
+    _frames: dict[int, tuple[bytes, ...]] = field(default_factory=dict)  # per choice: a content event's fixed parts
 
-    def _chunk(self, index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict:
+    def _chunk(
+        self, index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None, usage: Any = None
+    ) -> dict:
+        """One choice's chunk object; its usage is `StreamUsage.fields()`, or ``usage`` in its place when given."""
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return self.envelope.wrap("chat.completion.chunk", choices=[choice], **self.usage.fields())
+        fields = self.usage.fields() if usage is None else {"usage": usage}
+        return self.envelope.wrap("chat.completion.chunk", choices=[choice], **fields)
 
     def start(self) -> list[dict[str, Any]]:
         """The opening chunk of every choice: the assistant's role, no content yet."""
@@ -151,10 +165,11 @@ class ChunkWriter:
         return out
 
     def encoded(self, response: generation_pb2.GenerateResponse) -> bytes:
-        """`add`'s events as the body's bytes. A token's plain content event (no tools, no logprobs, usage fixed)
-        is its choice's event encoded once with the text left out, the text's JSON string put between the two
-        ends: the same bytes as encoding the whole object, without building and encoding it per token."""
-        if self.tools or self.logprobs or self.usage.continuous or not response.HasField("chunk"):
+        """`add`'s events as the body's bytes. A token's plain content event (no tools, no logprobs) is its
+        choice's event encoded once with the text (and continuous usage) left out, the text's JSON string (and the
+        usage's) put between the fixed parts: the same bytes as encoding the whole object, without building and
+        encoding it per token."""
+        if self.tools or self.logprobs or not response.HasField("chunk"):
             return sse_all(self.add(response))
         chunk = response.chunk
         self.usage.take(chunk)
@@ -162,10 +177,19 @@ class ChunkWriter:
             return b""
         frame = self._frames.get(chunk.index)
         if frame is None:
-            event = sse(self._chunk(chunk.index, {"content": _HOLE}))
-            head, tail = event.rsplit(_HOLE_JSON, 1)  # nothing after the content is the client's or the model's
-            frame = self._frames[chunk.index] = (head, tail)
+            frame = self._frames[chunk.index] = self._frame(chunk.index)
+        if self.usage.continuous:
+            return frame[0] + orjson.dumps(chunk.text) + frame[1] + self.usage.encoded() + frame[2]
         return frame[0] + orjson.dumps(chunk.text) + frame[1]
+
+    def _frame(self, index: int) -> tuple[bytes, ...]:
+        """Choice ``index``'s content event split around its text (and its continuous usage, which comes after)."""
+        if not self.usage.continuous:
+            event = sse(self._chunk(index, {"content": _HOLE}))
+            return tuple(event.rsplit(_HOLE_JSON, 1))  # nothing after the content is the client's or the model's
+        event = sse(self._chunk(index, {"content": _HOLE}, usage=_HOLE + "usage"))
+        head, rest = event.rsplit(_USAGE_HOLE_JSON, 1)
+        return (*head.rsplit(_HOLE_JSON, 1), rest)
 
     def _call_chunk(self, index: int, call: generation_pb2.ToolCall) -> dict[str, Any]:
         number = self._made[index] = self._made.get(index, -1) + 1

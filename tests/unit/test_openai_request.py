@@ -222,12 +222,15 @@ def test_continuous_usage_counts_every_streamed_token() -> None:
 @pytest.mark.parametrize("usage", [StreamUsage(), StreamUsage(include=True), StreamUsage(True, True)])
 def test_a_streamed_chunks_bytes_are_its_objects_encoded(usage: StreamUsage) -> None:
     """`encoded` (a content event from its choice's encoded ends) gives the bytes of `add`'s objects encoded
-    whole, for any text JSON escapes, held-back tokens (empty content), several choices and the final's events;
-    an id holding the hole's own text is still cut at the content."""
+    whole, for any text JSON escapes, held-back tokens (empty content), several choices, the usage so far (with
+    `continuous_usage_stats`) and the final's events; an id holding the hole's own text is still cut at the
+    content."""
     hole = "\x00epd-content\x00"
     texts = ["plain", "", 'quote " back \\ slash', "new\nline\ttab", "\u00e9\u4e2d\U0001f600", "\x00\x1f", hole]
     chunks = [
-        generation_pb2.GenerateResponse(chunk=generation_pb2.Chunk(text=text, token_ids=[i + 1], index=i % 2))
+        generation_pb2.GenerateResponse(
+            chunk=generation_pb2.Chunk(text=text, token_ids=[i + 1] * (1 + i % 3), index=i % 2, prompt_tokens=3 * i)
+        )
         for i, text in enumerate(texts)
     ]
     chunks.append(generation_pb2.GenerateResponse(chunk=generation_pb2.Chunk(index=1)))  # no token, no text
