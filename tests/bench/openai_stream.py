@@ -1,10 +1,11 @@
 """A minimal streaming client for OpenAI-compatible `/v1/chat/completions`: each SSE chunk's arrival and tokens.
 
-One HTTP/1.1 request per connection on asyncio streams (no third-party client: the same few lines of Python
-for every server measured, and little client CPU on a small box). A chunk's tokens are the growth of its
-`usage.completion_tokens` when the server sends usage with every chunk (`stream_options.continuous_usage_stats`,
-as vLLM does), else its `logprobs.content` entries when present, else one per chunk with content; the final
-usage chunk's `completion_tokens` is kept separately (`usage_tokens`).
+HTTP/1.1 on asyncio streams (no third-party client: the same few lines of Python for every server measured, and
+little client CPU on a small box), each connection kept open and reused for the next request, as vLLM's benchmark
+client (aiohttp's pool) and the OpenAI SDK (httpx's) do: a server's per-connection work is not counted per request.
+A chunk's tokens are the growth of its `usage.completion_tokens` when the server sends usage with every chunk
+(`stream_options.continuous_usage_stats`, as vLLM does), else its `logprobs.content` entries when present, else one
+per chunk with content; the final usage chunk's `completion_tokens` is kept separately (`usage_tokens`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class Endpoint:
     port: int
     prefix: str  # the path before /v1 ("" mostly)
     api_key: str = ""
+    _idle: list[_Connection] = field(default_factory=list, compare=False, repr=False)
 
     @classmethod
     def parse(cls, base_url: str, api_key: str = "") -> Endpoint:
@@ -84,9 +86,33 @@ class Endpoint:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     async def stream(self, body: bytes, out: Outcome) -> None:
-        """POST ``body`` (a JSON chat request with ``"stream": true``) and record into ``out`` as it arrives."""
+        """POST ``body`` (a JSON chat request with ``"stream": true``) and record into ``out`` as it arrives, on an
+        idle connection of this endpoint's when one is open (a new one when the server had closed it before
+        answering), else a new one; the connection is kept for the next request when the answer ended cleanly."""
         out.sent = time.perf_counter()
-        reader, writer = await asyncio.open_connection(self.host, self.port)
+        connection = self._take_idle()
+        if connection is not None:
+            try:
+                await self._exchange(connection, body, out)
+            except _ClosedBeforeAnswer:
+                connection.close()
+                connection = None
+        if connection is None:
+            connection = _Connection(*await asyncio.open_connection(self.host, self.port))
+            await self._exchange(connection, body, out)
+
+    def _take_idle(self) -> _Connection | None:
+        loop = asyncio.get_running_loop()
+        while self._idle:
+            connection = self._idle.pop()
+            if connection.loop is loop and not connection.reader.at_eof():
+                return connection
+            connection.close()
+        return None
+
+    async def _exchange(self, connection: _Connection, body: bytes, out: Outcome) -> None:
+        reader, writer = connection.reader, connection.writer
+        reusable = False
         try:
             head = [
                 f"POST {self.prefix}/v1/chat/completions HTTP/1.1",
@@ -94,29 +120,56 @@ class Endpoint:
                 "Content-Type: application/json",
                 "Accept: text/event-stream",
                 f"Content-Length: {len(body)}",
-                "Connection: close",
                 *(f"{k}: {v}" for k, v in self._auth().items()),
             ]
             writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
-            await writer.drain()
+            try:
+                await writer.drain()
+            except (ConnectionResetError, BrokenPipeError) as exc:
+                raise _ClosedBeforeAnswer(str(exc)) from exc
             out.status, headers = await _read_head(reader)
             if out.status != 200:
                 text = b"".join([piece async for piece in _body(reader, headers)])
                 out.ended = time.perf_counter()
                 out.error = f"HTTP {out.status}: {text[:200].decode(errors='replace')}"
-                return
-            await _read_events(reader, headers, out)
-            out.ended = time.perf_counter()
+            else:
+                await _read_events(reader, headers, out)
+                out.ended = time.perf_counter()
+            reusable = "close" not in headers.get("connection", "").lower() and _delimited(headers)
         finally:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
+            if reusable:
+                self._idle.append(connection)
+            else:
+                connection.close()
+
+
+@dataclass
+class _Connection:
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
+
+    def close(self) -> None:
+        with contextlib.suppress(RuntimeError):  # its loop has closed
+            self.writer.close()
+
+
+class _ClosedBeforeAnswer(ConnectionError):
+    """A kept connection the server had closed: nothing of the request was answered (safe to send again)."""
+
+
+def _delimited(headers: dict[str, str]) -> bool:
+    """The body's end is marked (chunked or sized), so the connection can carry another request after it."""
+    return "chunked" in headers.get("transfer-encoding", "").lower() or "content-length" in headers
 
 
 async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
-    status_line = await reader.readline()
+    try:
+        status_line = await reader.readline()
+    except ConnectionResetError:
+        status_line = b""
     if not status_line:
-        raise ConnectionError("the server closed the connection before answering")
+        raise _ClosedBeforeAnswer("the server closed the connection before answering")
     status = int(status_line.split()[1])
     headers: dict[str, str] = {}
     while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
@@ -131,6 +184,8 @@ async def _body(reader: asyncio.StreamReader, headers: dict[str, str]) -> AsyncI
         while True:
             size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
             if size == 0:
+                while (await reader.readline()) not in (b"\r\n", b"\n", b""):  # trailers, up to the blank line
+                    pass
                 return
             yield await reader.readexactly(size)
             await reader.readline()
@@ -157,9 +212,9 @@ async def _read_events(reader: asyncio.StreamReader, headers: dict[str, str], ou
                 data = line[5:].strip()
                 if data == b"[DONE]":
                     out.finished = not out.error
-                    return
-                _take_chunk(json.loads(data), now, out)
-    out.finished = not out.error
+                elif not out.finished:
+                    _take_chunk(json.loads(data), now, out)
+    out.finished = not out.error  # the body read to its end: the connection may carry the next request
 
 
 def _take_chunk(chunk: dict[str, Any], now: float, out: Outcome) -> None:
