@@ -1,7 +1,7 @@
 """One worker serving a request (an attempt): admission onto it, its encode task, a remote prefill, its chunks.
 
 A request's router tries workers through `Attempts.run` until one serves it to the end (server.py migrates it
-when one is lost). Invariants: the worker call, the encode task and the vanished-watch are cancelled on every exit
+when one is lost). Invariants: the worker call, the encode task and the vanished-watch are withdrawn on every exit
 path, which frees the worker's reservation; the admission's blocks are released exactly once, when the attempt
 ends; a failure another worker may cure is WorkerLost (reason `PREFILL_LOST` when the remote prefill failed: the
 next attempt prefills on its decode worker), any other is RequestError.
@@ -23,10 +23,10 @@ from services.common.tracing import tracer
 from services.router.accounting import Accounted
 from services.router.admission import Admission, Reserved
 from services.router.cluster_view import ClusterView, WorkerView
-from services.router.encode_dispatch import EncodeDispatcher, Pending
+from services.router.encode_dispatch import EncodeDispatcher, EncodeReport, Pending
 from services.router.errors import RequestError
 from services.router.metrics import RouterMetrics
-from services.router.migration import WorkerLost, lost_reason, watch_vanished
+from services.router.migration import VANISHED_AFTER_S, WorkerLost, lost_reason
 from services.router.pd_choice import PrefillPlacement
 from services.router.relay import Relays
 from services.router.remote_prefill import PrefillFailed, RemotePrefill, receiving
@@ -157,15 +157,17 @@ class Attempts:
             )
             prefill = asyncio.create_task(run, name=destination)  # named after its prefill worker
             prefill.add_done_callback(lambda task: self._prefill_done(task, call))
-        encode = asyncio.create_task(
-            self._dispatcher.encode_items(worker_request.request_id, items, destination, deadline, booking)
-        )
+        if items:
+            encode = asyncio.create_task(
+                self._dispatcher.encode_items(worker_request.request_id, items, destination, deadline, booking)
+            )
+        else:  # nothing to encode (text, or every item cached): its empty report at once, no task
+            encode = asyncio.get_running_loop().create_future()
+            encode.set_result(EncodeReport())
         encode.add_done_callback(lambda task: task.cancelled() or task.exception() is None or call.cancel())
         encode.add_done_callback(lambda task: self._record_encode(task, state, sources))
         vanished = asyncio.Event()
-        watch = asyncio.create_task(
-            watch_vanished(self._view.absent_for, admitted.worker, lambda: (vanished.set(), call.cancel()))
-        )
+        unwatch = self._view.on_absent(admitted.worker, VANISHED_AFTER_S, lambda: (vanished.set(), call.cancel()))
         end = StreamEnd()
         served = False
         try:
@@ -175,7 +177,7 @@ class Attempts:
                     yield response
             served = True
         finally:
-            watch.cancel()
+            unwatch()
             call.cancel()
             encode.cancel()
             if prefill is not None and not prefill.done():
@@ -194,7 +196,7 @@ class Attempts:
         if outcome == "failed":
             call.cancel()
 
-    def _record_encode(self, task: asyncio.Task, state: StreamState, sources: list[str]) -> None:
+    def _record_encode(self, task: asyncio.Future, state: StreamState, sources: list[str]) -> None:
         """Encode time of the items sent to encoders (the task may end after the last token); the request's
         media are cached from now on."""
         if not task.cancelled() and task.exception() is None:
@@ -208,7 +210,7 @@ class Attempts:
         self,
         call: WorkerStream,
         worker: str,
-        encode: asyncio.Task,
+        encode: asyncio.Future,
         vanished: asyncio.Event,
         state: StreamState,
         end: StreamEnd,

@@ -115,6 +115,7 @@ class ClusterView:
         self._pending: list[_Pending] = []
         self._backlogs: dict[str, _Backlog] = {}  # encoder -> its backlog as this router reckons it
         self._absent: dict[str, float] = {}  # worker -> seconds missing from answered refreshes, in a row
+        self._absence_watches: dict[str, dict[object, tuple[float, Callable[[], None]]]] = {}  # `on_absent`'s
         self._answered_at: float | None = None  # the previous refresh's time, when Redis answered it
         self._task: asyncio.Task | None = None
         self.changed = asyncio.Event()
@@ -225,11 +226,31 @@ class ClusterView:
         self._absent = {a: t + step for a, t in self._absent.items() if a not in listed and t < FORGET_AFTER_S}
         self._absent.update(dict.fromkeys(listed, 0.0))
         self._answered_at = now
+        for worker, watches in list(self._absence_watches.items()):
+            absent = self._absent.get(worker, 0.0)
+            for key in [key for key, (after_s, _) in watches.items() if absent >= after_s]:
+                watches.pop(key)[1]()
+            if not watches:
+                del self._absence_watches[worker]
 
     def absent_for(self, worker: str) -> float:
         """Seconds `worker` has been missing from the registry (live or draining), counting only time between
         refreshes Redis answered; 0 while it is listed, or when this router never saw it listed."""
         return self._absent.get(worker, 0.0)
+
+    def on_absent(self, worker: str, after_s: float, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback()`` once, at the first refresh after which `absent_for(worker)` reaches ``after_s``;
+        returns the function that withdraws it (one watch per caller, checked by the refresh that already runs,
+        not a task of its own polling)."""
+        key = object()
+        self._absence_watches.setdefault(worker, {})[key] = (after_s, callback)
+
+        def withdraw() -> None:
+            watches = self._absence_watches.get(worker)
+            if watches is not None and watches.pop(key, None) is not None and not watches:
+                del self._absence_watches[worker]
+
+        return withdraw
 
     def note_sent(self, encoder: str, tokens: int) -> None:
         """This router booked items of `tokens` encoder tokens on `encoder` (negative: taken back): added to its

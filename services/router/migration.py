@@ -18,7 +18,6 @@ UNAVAILABLE naming the worker and the count. Each migration is counted once, by 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -34,7 +33,6 @@ MIGRATABLE = {
     grpc.StatusCode.UNKNOWN: "unknown",
 }
 VANISHED_AFTER_S = 3.0  # a worker missing from the registry this long (while Redis answers) is gone
-WATCH_INTERVAL_S = 0.5
 
 
 class WorkerLost(Exception):
@@ -115,11 +113,3 @@ class Migrations:
             )
         self.done += 1
         self.count(lost.reason)
-
-
-async def watch_vanished(absent_for: Callable[[str], float], worker: str, on_vanished: Callable[[], None]) -> None:
-    """Call `on_vanished()` once `worker` has been missing from the registry (live or draining) for
-    VANISHED_AFTER_S, as `absent_for` measures it (time while Redis answered). Runs until cancelled."""
-    while absent_for(worker) < VANISHED_AFTER_S:
-        await asyncio.sleep(WATCH_INTERVAL_S)
-    on_vanished()

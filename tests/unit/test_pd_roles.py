@@ -81,3 +81,30 @@ def test_layouts_published_and_paired(loaded: tuple[Any, Any], redis_server: Red
     assert [w.address for w in view.prefill_workers_for(decode)] == ["p:1"]
     assert view.prefill_workers_for(dataclasses.replace(decode, kv_layout=None)) == []
     registry.close()
+
+
+def test_an_absence_watch_fires_once_at_the_refresh_that_passes_its_time(redis_server: RedisServer) -> None:
+    """`on_absent`: a worker missing from the registry for the watch's time has its callback called once, by the
+    view's refresh; a withdrawn watch and one on a worker still listed are never called."""
+    registry = Registry(redis_server.url, ttl_s=30)
+    state = {"total_blocks": 8, "reserved_blocks": 0, "running": 0, "waiting": 0, "block_size": 16}
+    for address in ("gone:1", "kept:1"):
+        assert registry.publish("worker", address, "rev", state)
+    view = ClusterView(registry, "rev")
+    fired: list[str] = []
+
+    async def run() -> None:
+        await view.refresh()
+        view.on_absent("gone:1", 0.2, lambda: fired.append("gone"))
+        view.on_absent("gone:1", 0.2, lambda: fired.append("withdrawn"))()
+        view.on_absent("kept:1", 0.2, lambda: fired.append("kept"))
+        registry.withdraw("worker", "gone:1")
+        await view.refresh()
+        assert fired == []  # missing, but not yet for 0.2 s
+        for _ in range(6):
+            await asyncio.sleep(0.06)
+            await view.refresh()
+
+    asyncio.run(run())
+    registry.close()
+    assert fired == ["gone"]
