@@ -4,7 +4,8 @@ Client side (`ContextChannel`): each outgoing call gets `x-request-id` (the curr
 services/common/logs.py) and `traceparent` / `tracestate` (the current span's context) in its
 metadata, when there are any; the call object is the channel's own (no wrapping), so `read()`,
 `cancel()` and metadata work as on a bare channel. Not grpc's client interceptors: those run each call
-through a task of their own and each streamed read through a wrapper, ~5 % of the router's CPU.
+through a task of their own and each streamed read through a wrapper (a call and its 8 reads cost a client
+~500-520 us of CPU bare, ~570-640 us intercepted, on a Zen 4 EPYC).
 
 Server side (`ServerContextInterceptor`): before a method's code runs, the incoming trace context
 becomes current and the incoming `x-request-id` becomes the request id; with `echo=True` (the
