@@ -1,4 +1,4 @@
-"""gRPC interceptors that carry the request id and the W3C trace context across every hop.
+"""The request id and W3C trace context carried across every gRPC hop: a channel adds them, an interceptor binds them.
 
 Client side (`ContextChannel`): each outgoing call gets `x-request-id` (the current request's id,
 services/common/logs.py) and `traceparent` / `tracestate` (the current span's context) in its
