@@ -140,4 +140,3 @@ def load_layer_kernel() -> LayerKernel | None:
         if kernel.matches_torch(LANES_PROBE_WIDTH, torch.float32):
             return kernel
     return None
-
