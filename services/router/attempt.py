@@ -1,10 +1,10 @@
 """One worker serving a request (an attempt): admission onto it, its encode task, a remote prefill, its chunks.
 
 A request's router tries workers through `Attempts.run` until one serves it to the end (server.py migrates it
-when one is lost). Invariants: the worker call, the encode task and the vanished-watch are withdrawn on every exit
-path, which frees the worker's reservation; the admission's blocks are released exactly once, when the attempt
-ends; a failure another worker may cure is WorkerLost (reason `PREFILL_LOST` when the remote prefill failed: the
-next attempt prefills on its decode worker), any other is RequestError.
+when one is lost). Invariants: the worker call and the encode task are cancelled and the vanished-watch withdrawn
+on every exit path, which frees the worker's reservation; the admission's blocks are released exactly once, when
+the attempt ends; a failure another worker may cure is WorkerLost (reason `PREFILL_LOST` when the remote prefill
+failed: the next attempt prefills on its decode worker), any other is RequestError.
 """
 
 from __future__ import annotations
