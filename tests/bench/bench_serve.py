@@ -228,6 +228,7 @@ async def run_requests(
         if not outcome.ended:
             outcome.error = "unfinished by the deadline" if outcome.sent else "not sent by the deadline"
             outcome.ended = time.perf_counter()
+    endpoint.close_idle()  # kept connections belong to this loop
     ends = [o.ended for o in outcomes if o.ended]
     return outcomes, (max(ends) if ends else time.perf_counter()) - start
 

@@ -101,6 +101,11 @@ class Endpoint:
             connection = _Connection(*await asyncio.open_connection(self.host, self.port))
             await self._exchange(connection, body, out)
 
+    def close_idle(self) -> None:
+        """Close the connections kept for a next request."""
+        while self._idle:
+            self._idle.pop().close()
+
     def _take_idle(self) -> _Connection | None:
         loop = asyncio.get_running_loop()
         while self._idle:
