@@ -7,10 +7,17 @@ from typing import Any
 import pytest
 import torch
 
+from services.worker.engine import step_threads
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import EngineRequest, SamplingOptions
-from services.worker.engine.step_threads import LARGE_STEP_TOKENS, StepThreads, resolve_threads, usable_cores
+from services.worker.engine.step_threads import (
+    LARGE_STEP_TOKENS,
+    RunnableTasks,
+    StepThreads,
+    resolve_threads,
+    usable_cores,
+)
 from tests.engine_support import Result, drain
 
 
@@ -30,8 +37,38 @@ def test_automatic_is_twice_the_process_threads_at_most_its_cores(one_thread: No
     assert resolve_threads(0, cpu, 2) == 1  # tensor-parallel ranks share the cores
 
 
+@pytest.fixture()
+def idle_box(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing else runs on the box, which has cores to spare: a large step may take every thread it asks for."""
+    monkeypatch.setattr(RunnableTasks, "count", lambda self: 1)
+    monkeypatch.setattr(step_threads, "usable_cores", lambda: 8)
+
+
+def test_a_large_step_borrows_only_cores_nothing_else_runs_on(one_thread: None) -> None:
+    busy = [1]
+    threads = StepThreads(4, runnable=lambda: busy[0], cores=4)
+    assert threads.threads_for(LARGE_STEP_TOKENS - 1) == 1  # a decode step keeps the process's own
+    assert threads.threads_for(LARGE_STEP_TOKENS) == 4  # only this thread runs: all it asked for
+    busy[0] = 3
+    assert threads.threads_for(LARGE_STEP_TOKENS) == 2  # two others run: one core is idle
+    busy[0] = 9
+    assert threads.threads_for(LARGE_STEP_TOKENS) == 1  # the box is full: nothing to borrow
+    busy[0] = 0  # a count that missed this thread is read as this thread alone
+    assert threads.threads_for(LARGE_STEP_TOKENS) == 4
+    assert StepThreads(3, runnable=lambda: None, cores=4).threads_for(LARGE_STEP_TOKENS) == 3  # no count: as asked
+
+
+def test_the_box_count_includes_the_reader() -> None:
+    tasks = RunnableTasks()
+    try:
+        count = tasks.count()
+        assert count is None or count >= 1
+    finally:
+        tasks.close()
+
+
 def test_a_large_step_takes_the_threads_and_gives_them_back(one_thread: None) -> None:
-    threads = StepThreads(2)
+    threads = StepThreads(2, runnable=lambda: 1, cores=2)
     with threads.for_step(LARGE_STEP_TOKENS - 1):
         assert torch.get_num_threads() == 1
     with threads.for_step(LARGE_STEP_TOKENS):
@@ -48,7 +85,7 @@ def test_negative_threads_are_refused_by_name() -> None:
 
 
 def test_the_engine_prefills_with_the_threads_and_decodes_with_its_own(
-    loaded: tuple[Any, Any], one_thread: None
+    loaded: tuple[Any, Any], one_thread: None, idle_box: None
 ) -> None:
     """A 300-token prompt's prefill step runs at two threads, its decode steps at one, and the tokens are the same
     as with one thread throughout."""

@@ -1,9 +1,11 @@
 """How many intra-op CPU threads one step runs with: a large step borrows cores the rest of the box leaves idle.
 
 On the CPU a worker's services each get their share of the cores (`epd up` on 2 cores: one thread each), and
-while the engine computes, the others mostly wait for it. A step of many tokens (prefill) splits well over
+while the engine computes, the others often wait for it. A step of many tokens (prefill) splits well over
 threads, its products and attention being large; a decode step of a few rows does not (its small products pay
-for waking the threads), so only steps of at least ``LARGE_STEP_TOKENS`` tokens take ``threads`` threads and the
+for waking the threads), so only steps of at least ``LARGE_STEP_TOKENS`` tokens take more threads, and only as
+many as there are idle cores as the step begins: a thread on a core something else is using (an encoder's vision
+tower, the client) stalls every parallel region of the step, which then ends later than on one thread. The
 process's own count is restored after. Invariant: outside ``for_step`` the process runs its own thread count;
 nothing changes on a GPU, where the step's work is on the device.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -42,20 +44,64 @@ def resolve_threads(requested: int, device: torch.device, tensor_parallel_size: 
     return max(own, min(usable_cores(), 2 * own))
 
 
-class StepThreads:
-    """Switches torch's intra-op threads around a large step; a no-op where ``threads`` is the process's own."""
+class RunnableTasks:
+    """How many tasks on the box are running or ready to run now (the kernel's count in ``/proc/loadavg``, this
+    thread included); None where the OS gives no such count. One read is ~1 us."""
 
-    def __init__(self, threads: int) -> None:
+    PATH = "/proc/loadavg"
+
+    def __init__(self) -> None:
+        try:
+            self._fd: int | None = os.open(self.PATH, os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def count(self) -> int | None:
+        if self._fd is None:
+            return None
+        fields = os.pread(self._fd, 128, 0).split()  # b"0.52 0.61 0.70 2/431 12345"
+        return int(fields[3].split(b"/")[0])
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class StepThreads:
+    """Switches torch's intra-op threads around a large step; a no-op where ``threads`` is the process's own.
+
+    ``runnable`` tells how busy the box is (``RunnableTasks().count``); a large step adds to the process's own
+    threads at most the ``cores`` (those it may use) nobody else is running on, and all ``threads`` where
+    ``runnable`` answers None."""
+
+    def __init__(
+        self, threads: int, runnable: Callable[[], int | None] | None = None, cores: int | None = None
+    ) -> None:
         self.threads = threads
+        self._runnable = runnable or RunnableTasks().count
+        self._cores = cores or usable_cores()
+
+    def threads_for(self, num_tokens: int) -> int:
+        """The intra-op threads a step of ``num_tokens`` tokens runs with."""
+        own = torch.get_num_threads()
+        if num_tokens < LARGE_STEP_TOKENS or self.threads <= own:
+            return min(own, self.threads) if num_tokens >= LARGE_STEP_TOKENS else own
+        busy = self._runnable()
+        if busy is None:
+            return self.threads
+        idle = self._cores - max(busy, 1)  # this thread is running, so it counts itself
+        return own + max(0, min(self.threads - own, idle))
 
     @contextlib.contextmanager
     def for_step(self, num_tokens: int) -> Iterator[None]:
-        """Run the body with ``threads`` threads when the step has at least ``LARGE_STEP_TOKENS`` tokens."""
+        """Run the body with ``threads_for(num_tokens)`` threads."""
         own = torch.get_num_threads()
-        if num_tokens < LARGE_STEP_TOKENS or self.threads == own:
+        threads = self.threads_for(num_tokens)
+        if threads == own:
             yield
             return
-        torch.set_num_threads(self.threads)
+        torch.set_num_threads(threads)
         try:
             yield
         finally:
