@@ -15,9 +15,9 @@ def add_cluster_arguments(cmd: argparse.ArgumentParser, *, ray: bool) -> None:
     cmd.add_argument("--model", metavar="DIR", help="model folder (default: a tiny random Qwen2-VL built offline)")
     cmd.add_argument(
         "--encoders",
-        type=_int_in(1, 64, "a whole number from 1 to 64"),
+        type=_int_in(0, 64, "a whole number from 0 to 64"),
         default=1,
-        help="encoder processes (default 1)",
+        help="encoder processes (default 1; 0: each worker runs the vision tower itself, co-located)",
     )
     cmd.add_argument(
         "--workers", type=_int_in(1, 64, "a whole number from 1 to 64"), default=1, help="worker processes (default 1)"

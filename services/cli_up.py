@@ -91,9 +91,9 @@ def running_cluster(args: argparse.Namespace, interrupted: threading.Event) -> I
             else ""
         )
         workers = f"{spec.workers} {'decode ' if spec.prefill_workers else ''}worker(s){pool}"
+        encoders = f"{spec.encoders} encoder(s)" if spec.encoders else "no encoder (the workers encode images)"
         print(
-            f"starting router, {spec.encoders} encoder(s), {workers} for {spec.model_dir}; "
-            f"logs in {log_dir} (removed when epd exits)",
+            f"starting router, {encoders}, {workers} for {spec.model_dir}; logs in {log_dir} (removed when epd exits)",
             flush=True,
         )
         cluster = _start(spec, args.startup_timeout, interrupted)

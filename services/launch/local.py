@@ -52,7 +52,7 @@ def set_start_method(method: StartMethod) -> None:
 @dataclass(frozen=True)
 class ClusterSpec:
     model_dir: Path
-    encoders: int = 1
+    encoders: int = 1  # 0: no encoder process; each worker runs the vision tower itself (co-located)
     workers: int = 1
     redis_url: str = "redis://127.0.0.1:6379/0"
     free_ports: bool = False  # tests: pick free ports instead of the ones below
@@ -263,14 +263,22 @@ def start_cluster(
     return cluster
 
 
+def torch_threads(spec: ClusterSpec, cores: int) -> int:
+    """Intra-op threads of each service: the box's cores split over the services that compute, not all of them
+    for every process. Without encoder processes each worker also runs the vision tower, and counts twice (on 2
+    cores such a worker at both threads served 25-30 % fewer tokens than at one, its tower and steps on one core
+    each; docs/decisions.md)."""
+    computing = (spec.encoders or spec.workers) + spec.workers + spec.prefill_workers
+    return max(1, cores // computing)
+
+
 def _spawn_cluster(
     spec: ClusterSpec, ports: PortPlan, redis_process: subprocess.Popen | None, spawned: list[Process]
 ) -> LocalCluster:
     """Spawn encoders, workers, then the router (each appended to `spawned` as it starts)."""
     log_dir = spec.log_dir or Path(tempfile.mkdtemp(prefix="epd-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    # services share this box's cores: split them instead of letting every process use all of them
-    threads = max(1, (os.cpu_count() or 1) // (spec.encoders + spec.workers + spec.prefill_workers))
+    threads = torch_threads(spec, os.cpu_count() or 1)
     base = {
         "EPD_MODEL": str(spec.model_dir),
         "EPD_REDIS_URL": spec.redis_url,

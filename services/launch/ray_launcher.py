@@ -116,8 +116,8 @@ def plan_services(
     `metrics_port`: None picks free ports, 0 turns metrics off, p > 0 numbers them from p. `http_port` is
     the router's OpenAI HTTP port: None picks a free one, 0 turns it off.
     """
-    if encoders < 1 or workers < 1:
-        raise ValueError(f"need at least one encoder and one worker, got {encoders} and {workers}")
+    if encoders < 0 or workers < 1:  # no encoder: each worker encodes its own images (co-located)
+        raise ValueError(f"encoders must be >= 0 and workers >= 1, got {encoders} and {workers}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"EPD_DEVICE must be cpu or cuda, got {device!r}")
     gpu = device == "cuda"

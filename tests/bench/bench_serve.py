@@ -278,10 +278,13 @@ def _exit_on_sigterm(_signum: int, _frame: object) -> None:
 
 
 @contextlib.contextmanager
-def local_cluster(startup_timeout_s: float = 180.0, model_dir: Path | None = None) -> Iterator[LocalCluster]:
+def local_cluster(
+    startup_timeout_s: float = 180.0, model_dir: Path | None = None, encoders: int = 1
+) -> Iterator[LocalCluster]:
     """A local epd cluster with default settings (private Redis, `model_dir` or a tiny model in a temporary
-    folder, router HTTP on a free port, logs as JSON lines for the refusal profile); yields it, and stops
-    everything on the way out (SIGTERM becomes an exit, so a terminated bench stops it too)."""
+    folder, `encoders` encoder processes (0: the worker encodes, co-located), router HTTP on a free port, logs as
+    JSON lines for the refusal profile); yields it, and stops everything on the way out (SIGTERM becomes an exit,
+    so a terminated bench stops it too)."""
     from services.launch.local import ClusterSpec, free_port, start_cluster
     from services.models.tiny_model import make_tiny_model
     from tests.redis_server import RedisServer
@@ -294,6 +297,7 @@ def local_cluster(startup_timeout_s: float = 180.0, model_dir: Path | None = Non
             model = model_dir or make_tiny_model(Path(tmp) / "model", "qwen2-vl")
             spec = ClusterSpec(
                 model,
+                encoders=encoders,
                 redis_url=redis.url,
                 free_ports=True,
                 env={"EPD_HTTP_PORT": str(free_port()), "EPD_LOG_FORMAT": "json"},

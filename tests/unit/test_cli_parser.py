@@ -18,7 +18,7 @@ from services.cli import _parser, main
 from services.cli_errors import FAILURE, USAGE, UserError, one_line
 from services.cli_request import build_request, read_image, read_video
 from services.cli_up import log_verdict, port_rows
-from services.launch.local import ClusterSpec, plan_ports
+from services.launch.local import ClusterSpec, plan_ports, torch_threads
 from services.launch.preflight import check_model, check_ports, port_in_use, resolve_device
 from tests import media_factory
 
@@ -67,6 +67,22 @@ def test_up_flags_default_to_the_documented_ports() -> None:
         9400,
     )
     assert args.startup_timeout == 180.0 and args.device is None
+
+
+def test_up_takes_no_encoder_for_a_co_located_cluster(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _parser().parse_args(["up", "--encoders", "0"]).encoders == 0
+    assert plan_ports(ClusterSpec(Path("m"), encoders=0, metrics_port=0)).encoders == ()
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["up", "--encoders", "-1"])
+    assert "--encoders" in capsys.readouterr().err
+
+
+def test_threads_split_the_cores_over_the_services_that_compute() -> None:
+    assert torch_threads(ClusterSpec(Path("m")), 2) == 1  # an encoder and a worker: a core each
+    assert torch_threads(ClusterSpec(Path("m"), encoders=0), 2) == 1  # a worker that encodes counts twice
+    assert torch_threads(ClusterSpec(Path("m"), encoders=0, workers=2), 8) == 2
+    assert torch_threads(ClusterSpec(Path("m"), encoders=2, workers=2, prefill_workers=4), 16) == 2
+    assert torch_threads(ClusterSpec(Path("m"), encoders=4, workers=4), 2) == 1  # never none
 
 
 def test_port_plan_counts_up_from_each_base() -> None:
