@@ -195,7 +195,7 @@ def test_a_short_chunk_in_the_kernels_form_has_a_length_per_row_at_any_context(c
 
     size, rows = 16, 8
     blocks = -(-context_len // size)
-    backend = CpuKernelBackend(size, torch.device("cpu"), torch.float32, kernel=None)  # type: ignore[arg-type]
+    backend = CpuKernelBackend(size, torch.device("cpu"), torch.float32, kernel=None, fresh_chunks=True)  # type: ignore[arg-type]
     layout = GatheredLayout(chunks=[ChunkRows(0, rows, context_len, 2 * rows, blocks)])
     packed = torch.arange(2 * rows + blocks, dtype=torch.int64)
     kv = SimpleNamespace(keys=[torch.zeros(1, blocks, 64, size)], layout="head-major")
@@ -205,9 +205,9 @@ def test_a_short_chunk_in_the_kernels_form_has_a_length_per_row_at_any_context(c
 
 
 def test_a_fresh_chunk_goes_through_the_kernel_only_with_cpu_kernel_in_bfloat16() -> None:
-    """A chunk with nothing cached before it: cpu-kernel in bfloat16 lays it out as one decode row per token over the
-    chunk's own blocks (row r over its first r + 1 tokens); in float32, and with sdpa, it stays one plain causal
-    call over the chunk's K/V."""
+    """A chunk with nothing cached before it: cpu-kernel in bfloat16, where the kernel measured faster, lays it out
+    as one decode row per token over the chunk's own blocks (row r over its first r + 1 tokens); in float32, where
+    SDPA measured faster, and with sdpa, it stays one plain causal call over the chunk's K/V."""
     from types import SimpleNamespace
 
     from services.worker.engine.attention.cpu_kernel import CpuKernelBackend
@@ -220,10 +220,14 @@ def test_a_fresh_chunk_goes_through_the_kernel_only_with_cpu_kernel_in_bfloat16(
     packed = torch.arange(2 * rows + blocks, dtype=torch.int64)
     kv = SimpleNamespace(keys=[torch.zeros(1, blocks, 64, size)], layout="head-major")
     step = SimpleNamespace(layout=layout, num_tokens=rows)
-    kernel = CpuKernelBackend(size, CPU, torch.bfloat16, kernel=None)  # type: ignore[arg-type]
+    kernel = CpuKernelBackend(size, CPU, torch.bfloat16, kernel=None, fresh_chunks=True)  # type: ignore[arg-type]
     [chunk] = kernel.context(step, packed, kv).chunks  # type: ignore[arg-type]
     assert chunk.lengths is not None and chunk.lengths.tolist() == list(range(1, rows + 1))
     assert chunk.block_ids.tolist() == list(range(2 * rows, 2 * rows + blocks)) * rows
-    for backend in (CpuKernelBackend(size, CPU, torch.float32, kernel=None), SdpaBackend(size, CPU, torch.float32)):  # type: ignore[arg-type]
+    for backend in (
+        CpuKernelBackend(size, CPU, torch.float32, kernel=None, fresh_chunks=True),  # type: ignore[arg-type]
+        CpuKernelBackend(size, CPU, torch.bfloat16, kernel=None, fresh_chunks=False),  # type: ignore[arg-type]
+        SdpaBackend(size, CPU, torch.float32),
+    ):
         [plain] = backend.context(step, packed, kv).chunks  # type: ignore[arg-type]
         assert plain.lengths is None and plain.block_ids is None and plain.mask is None

@@ -190,3 +190,15 @@ def test_a_call_split_over_two_threads_gives_the_same_bits(
         torch.set_num_threads(before)
     assert len(splits) == 1 and 0 < splits[0] < rows  # ~rows / sqrt(2): the later rows attend to more
     assert torch.equal(alone, split)
+
+
+def test_the_fresh_chunk_probe_times_the_same_attention_both_ways(kernel: DecodeKernel) -> None:
+    """What `kernel_wins_fresh_chunks` times is one attention: the kernel's rows and SDPA's causal call agree on the
+    probe (bfloat16 outputs of float32 and bfloat16 products), and the choice comes with both times."""
+    from services.worker.engine.attention.cpu_kernel import PROBE_TOKENS, fresh_chunk_probe, kernel_wins_fresh_chunks
+
+    by_kernel, by_sdpa = (call() for call in fresh_chunk_probe(kernel, 64))
+    assert by_kernel.shape == by_sdpa.shape == (PROBE_TOKENS, 4, 64)
+    torch.testing.assert_close(by_kernel.float(), by_sdpa.float(), atol=2e-2, rtol=2e-2)
+    wins, kernel_s, sdpa_s = kernel_wins_fresh_chunks(kernel, 64, repeats=2)
+    assert wins == (kernel_s < sdpa_s) and kernel_s > 0 and sdpa_s > 0

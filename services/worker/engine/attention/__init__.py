@@ -25,7 +25,7 @@ import torch
 
 from services.models.varlen_attention import torch_varlen_attn
 from services.worker.engine.attention.backend import AttentionBackend
-from services.worker.engine.attention.cpu_kernel import CpuKernelBackend
+from services.worker.engine.attention.cpu_kernel import PROBE_TOKENS, CpuKernelBackend, kernel_wins_fresh_chunks
 from services.worker.engine.attention.flash import PAGE_MULTIPLE, FlashBackend
 from services.worker.engine.attention.flash_reference import FlashReferenceBackend
 from services.worker.engine.attention.sdpa import SdpaBackend
@@ -124,7 +124,12 @@ def make_backend(
         kernel = load_decode_kernel()
         if kernel is None:
             raise ValueError("the cpu-kernel attention backend could not be built (no working C compiler): use sdpa")
-        return CpuKernelBackend(block_size, device, dtype, kernel)
+        fresh = False
+        if dtype == torch.bfloat16:
+            fresh, kernel_s, sdpa_s = kernel_wins_fresh_chunks(kernel, head_dim)
+            log.info("fresh bfloat16 chunks attend through %s (a %d-token chunk: kernel %.2f ms, sdpa %.2f ms)",
+                     "the kernel" if fresh else "sdpa", PROBE_TOKENS, 1e3 * kernel_s, 1e3 * sdpa_s)  # fmt: skip
+        return CpuKernelBackend(block_size, device, dtype, kernel, fresh)
     raise ValueError(f"unknown attention backend {name!r}")
 
 
