@@ -13,9 +13,9 @@ from services.worker.engine.engine import Engine
 from services.worker.engine.request import EngineRequest, SamplingOptions
 from services.worker.engine.step_threads import (
     LARGE_STEP_TOKENS,
-    RunnableTasks,
     StepThreads,
     resolve_threads,
+    runnable_tasks,
     usable_cores,
 )
 from tests.engine_support import Result, drain
@@ -40,7 +40,7 @@ def test_automatic_is_twice_the_process_threads_at_most_its_cores(one_thread: No
 @pytest.fixture()
 def idle_box(monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing else runs on the box, which has cores to spare: a large step may take every thread it asks for."""
-    monkeypatch.setattr(RunnableTasks, "count", lambda self: 1)
+    monkeypatch.setattr(step_threads, "runnable_tasks", lambda: 1)
     monkeypatch.setattr(step_threads, "usable_cores", lambda: 8)
 
 
@@ -59,12 +59,8 @@ def test_a_large_step_borrows_only_cores_nothing_else_runs_on(one_thread: None) 
 
 
 def test_the_box_count_includes_the_reader() -> None:
-    tasks = RunnableTasks()
-    try:
-        count = tasks.count()
-        assert count is None or count >= 1
-    finally:
-        tasks.close()
+    count = runnable_tasks()
+    assert count is None or count >= 1
 
 
 def test_a_large_step_takes_the_threads_and_gives_them_back(one_thread: None) -> None:

@@ -13,6 +13,7 @@ nothing changes on a GPU, where the step's work is on the device.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterator
 
@@ -44,34 +45,32 @@ def resolve_threads(requested: int, device: torch.device, tensor_parallel_size: 
     return max(own, min(usable_cores(), 2 * own))
 
 
-class RunnableTasks:
-    """How many tasks on the box are running or ready to run now (the kernel's count in ``/proc/loadavg``, this
-    thread included); None where the OS gives no such count. One read is ~1 us."""
+LOADAVG = "/proc/loadavg"
 
-    PATH = "/proc/loadavg"
 
-    def __init__(self) -> None:
-        try:
-            self._fd: int | None = os.open(self.PATH, os.O_RDONLY)
-        except OSError:
-            self._fd = None
+@functools.cache
+def _loadavg() -> int | None:
+    """One descriptor of ``LOADAVG`` for the whole process (None where there is none); read with ``pread``."""
+    try:
+        return os.open(LOADAVG, os.O_RDONLY)
+    except OSError:
+        return None
 
-    def count(self) -> int | None:
-        if self._fd is None:
-            return None
-        fields = os.pread(self._fd, 128, 0).split()  # b"0.52 0.61 0.70 2/431 12345"
-        return int(fields[3].split(b"/")[0])
 
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+def runnable_tasks() -> int | None:
+    """How many tasks on the box are running or ready to run now (the kernel's count in ``/proc/loadavg``, the
+    calling thread included); None where the OS gives no such count. One read is ~1 us."""
+    fd = _loadavg()
+    if fd is None:
+        return None
+    fields = os.pread(fd, 128, 0).split()  # b"0.52 0.61 0.70 2/431 12345"
+    return int(fields[3].split(b"/")[0])
 
 
 class StepThreads:
     """Switches torch's intra-op threads around a large step; a no-op where ``threads`` is the process's own.
 
-    ``runnable`` tells how busy the box is (``RunnableTasks().count``); a large step adds to the process's own
+    ``runnable`` tells how busy the box is (``runnable_tasks``); a large step adds to the process's own
     threads at most the ``cores`` (those it may use) nobody else is running on, and all ``threads`` where
     ``runnable`` answers None."""
 
@@ -79,14 +78,16 @@ class StepThreads:
         self, threads: int, runnable: Callable[[], int | None] | None = None, cores: int | None = None
     ) -> None:
         self.threads = threads
-        self._runnable = runnable or RunnableTasks().count
+        self._runnable = runnable or runnable_tasks
         self._cores = cores or usable_cores()
 
     def threads_for(self, num_tokens: int) -> int:
         """The intra-op threads a step of ``num_tokens`` tokens runs with."""
         own = torch.get_num_threads()
-        if num_tokens < LARGE_STEP_TOKENS or self.threads <= own:
-            return min(own, self.threads) if num_tokens >= LARGE_STEP_TOKENS else own
+        if num_tokens < LARGE_STEP_TOKENS:
+            return own
+        if self.threads <= own:  # asked for no more than the process runs: nothing to borrow
+            return self.threads
         busy = self._runnable()
         if busy is None:
             return self.threads

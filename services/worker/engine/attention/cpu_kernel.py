@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from services.worker.engine.attention.kv_cache import DIM_MAJOR_KEYS
-from services.worker.engine.attention.sdpa import SdpaBackend, _chunk_attention
+from services.worker.engine.attention.sdpa import SdpaBackend, chunk_attention
 from services.worker.engine.decode_kernel import BLOCK_SIZE, DecodeKernel
 
 ONE_GROUP = 1 << 40
@@ -76,7 +76,7 @@ def fresh_chunk_probe(
     scale = head_dim**-0.5
     return (
         lambda: kernel(q, keys, values, tables, lengths, scale),
-        lambda: _chunk_attention(q, k, v, None, scale),
+        lambda: chunk_attention(q, k, v, None, scale),
     )
 
 

@@ -186,7 +186,7 @@ class GatheredContext:
             else:
                 keys = _gather_keys(k_cache, chunk.block_ids, dim_major)[:, : chunk.context_len]
                 values = _gather(v_cache, chunk.block_ids)[:, : chunk.context_len]
-            parts.append(_chunk_attention(query[:, rows], keys, values, chunk.mask, scaling))
+            parts.append(chunk_attention(query[:, rows], keys, values, chunk.mask, scaling))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
@@ -234,7 +234,7 @@ def _decode_attention(
     return out.reshape(batch, heads, head_dim)
 
 
-def _chunk_attention(
+def chunk_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float
 ) -> torch.Tensor:
     """A chunk's queries ``[H, q, D]`` over its context ``[Hkv, ctx, D]``, bottom-right causal; ``[q, H, D]``.
