@@ -291,10 +291,15 @@ def _ray_port_spec(args: argparse.Namespace) -> local.ClusterSpec:
     )
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""What stops `epd up`: Ctrl-C, `kill`, and its terminal closing (SIGHUP's default would end it at once, leaving
+its services, each in a process group of its own, running on their ports)."""
+
+
 def wait_for_stop_signal(stopped: threading.Event | None = None) -> None:
-    """Block until SIGINT or SIGTERM (handled: neither kills us before cleanup), at once if ``stopped`` is set."""
+    """Block until one of ``STOP_SIGNALS`` (handled: none kills us before cleanup), at once if ``stopped`` is set."""
     stopped = threading.Event() if stopped is None else stopped
-    previous = {sig: signal.signal(sig, lambda *_: stopped.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, lambda *_: stopped.set()) for sig in STOP_SIGNALS}
     try:
         while not stopped.wait(0.5):
             pass
@@ -305,7 +310,7 @@ def wait_for_stop_signal(stopped: threading.Event | None = None) -> None:
 
 @contextlib.contextmanager
 def _interrupts() -> Iterator[threading.Event]:
-    """SIGINT and SIGTERM raise KeyboardInterrupt, so start-up is unwound and cleaned up either way, and set the
+    """``STOP_SIGNALS`` raise KeyboardInterrupt, so start-up is unwound and cleaned up either way, and set the
     event yielded. Installed whatever was there: a background job of a non-interactive shell inherits SIGINT
     ignored, which Python keeps, so Ctrl-C (`kill -INT`) was ignored during start-up and honoured after it. The
     event covers an interrupt raised where it is silenced: grpc's `Channel.__del__` wraps its work in a bare
@@ -316,7 +321,7 @@ def _interrupts() -> Iterator[threading.Event]:
         interrupted.set()
         raise KeyboardInterrupt
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS}
     try:
         yield interrupted
     finally:
@@ -327,7 +332,7 @@ def _interrupts() -> Iterator[threading.Event]:
 @contextlib.contextmanager
 def _signals_ignored() -> Iterator[None]:
     """While stopping: a second Ctrl-C must not cut the cleanup short (stop() SIGKILLs after its grace period)."""
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
     try:
         yield
     finally:

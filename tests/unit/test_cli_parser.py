@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -314,6 +315,20 @@ def test_a_ctrl_c_whose_interrupt_is_swallowed_during_start_up_is_still_seen() -
         cli_up.wait_for_stop_signal(interrupted)
         assert time.monotonic() - started < 0.5
     assert signal.getsignal(signal.SIGINT) is before  # restored
+
+
+def test_a_closed_terminal_stops_up_as_ctrl_c_does() -> None:
+    """SIGHUP (the terminal `epd up` runs in closed) ends start-up and the wait like Ctrl-C, so the services are
+    stopped rather than left on their ports; the handler that was there is back after."""
+    before = signal.getsignal(signal.SIGHUP)
+    with pytest.raises(KeyboardInterrupt), cli_up._interrupts():
+        os.kill(os.getpid(), signal.SIGHUP)
+        time.sleep(1.0)
+    threading.Timer(0.2, os.kill, args=(os.getpid(), signal.SIGHUP)).start()
+    started = time.monotonic()
+    cli_up.wait_for_stop_signal()
+    assert time.monotonic() - started < 5.0
+    assert signal.getsignal(signal.SIGHUP) is before
 
 
 def test_start_up_honours_a_ctrl_c_even_when_it_inherited_sigint_ignored() -> None:
