@@ -43,7 +43,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(config.torch_threads)
     try:
-        asyncio.run(run_until_signalled(lambda: start_role(args.role, config)))
+        asyncio.run(run_until_signalled(lambda: start_role(args.role, config), config.launcher_pid))
     finally:
         shutdown_tracing(tracing)
     return 0

@@ -157,6 +157,9 @@ class ServiceConfig:
     drain_timeout_s: float = dataclasses.field(
         default=30.0, metadata={"help": "on SIGTERM: longest wait for in-flight work before ending it"}
     )
+    launcher_pid: int = dataclasses.field(
+        default=0, metadata={"help": "the process that started this one (`epd up`): when it is gone, drain and stop"}
+    )
     tls_cert_file: str = dataclasses.field(default="", metadata={"help": "this service's certificate (PEM)"})
     tls_key_file: str = dataclasses.field(default="", metadata={"help": "its private key (PEM)"})
     tls_ca_file: str = dataclasses.field(default="", metadata={"help": "the cluster CA: mTLS on every hop"})
@@ -181,6 +184,8 @@ class ServiceConfig:
         for name in ("port", "health_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{env_name(name)}: {getattr(self, name)} is not a port")
+        if self.launcher_pid < 0:
+            raise ConfigError(f"{env_name('launcher_pid')} must be a process id or 0, got {self.launcher_pid}")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"{env_name('drain_timeout_s')} must not be negative, got {self.drain_timeout_s}")
         tls = {name: getattr(self, name) for name in ("tls_cert_file", "tls_key_file", "tls_ca_file")}

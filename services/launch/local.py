@@ -205,6 +205,7 @@ def _popen(
         "EPD_METRICS_PORT": str(metrics_port),
         "EPD_HOST": "127.0.0.1",
         "EPD_ADVERTISE_ADDR": f"127.0.0.1:{port}",
+        "EPD_LAUNCHER_PID": str(os.getpid()),  # gone (even by SIGKILL): the service drains and stops
     }
     if _start_method == "forkserver":
         forked = forkserver.shared(_fork_env).spawn(["serve", role], {**_fork_env, **own}, log_path)
