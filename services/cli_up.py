@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from services.cli_errors import UserError, failure, one_line, usage_error
+from services.cli_stop import interrupts, signals_ignored, wait_for_stop_signal
 from services.launch import local
 from services.launch.preflight import (
     check_device,
@@ -58,7 +59,7 @@ def up(args: argparse.Namespace) -> int:
         if args.prefill_workers:
             raise usage_error("--prefill-workers is not built for --ray", "drop --ray to run a prefill pool locally")
         return _up_ray(args)
-    with _interrupts() as interrupted, running_cluster(args, interrupted) as cluster:
+    with interrupts() as interrupted, running_cluster(args, interrupted) as cluster:
         print(f'router (gRPC Generate) at {cluster.address}. Try: epd generate --image FILE "describe"')
         print("A service that exits is restarted. Ctrl-C stops everything.", flush=True)
         with Supervisor(cluster.processes, report=lambda line: print(line, flush=True)):
@@ -71,7 +72,7 @@ def demo(args: argparse.Namespace) -> int:
     from services.cli_request import print_answer, rpc_errors
     from services.client import Client, user_request
 
-    with _interrupts() as interrupted, running_cluster(args, interrupted) as cluster:
+    with interrupts() as interrupted, running_cluster(args, interrupted) as cluster:
         print(f'request: one 448x336 PNG + "Describe this image." to {cluster.address}')
         request = user_request("Describe this image.", [demo_image()], max_tokens=args.max_tokens)
         with Client(cluster.address) as client, rpc_errors(cluster.address, 120.0):
@@ -81,7 +82,7 @@ def demo(args: argparse.Namespace) -> int:
 @contextlib.contextmanager
 def running_cluster(args: argparse.Namespace, interrupted: threading.Event) -> Iterator[local.LocalCluster]:
     """Check, start (logs in a temporary folder), yield the healthy cluster; stop it and remove the logs after.
-    ``interrupted`` (``_interrupts``) set ends start-up at the next service that becomes ready."""
+    ``interrupted`` (``interrupts``) set ends start-up at the next service that becomes ready."""
     spec = checked_spec(args)
     with _log_folder() as log_dir:
         spec = dataclasses.replace(spec, log_dir=log_dir)
@@ -100,7 +101,7 @@ def running_cluster(args: argparse.Namespace, interrupted: threading.Event) -> I
         try:
             yield cluster
         finally:
-            with _signals_ignored():
+            with signals_ignored():
                 cluster.stop()
             print("cluster stopped.", flush=True)
 
@@ -169,7 +170,7 @@ def _start(spec: local.ClusterSpec, timeout_s: float, interrupted: threading.Eve
     plan_http = local.plan_ports(spec).http
 
     def on_ready(process: local.Process) -> None:
-        if interrupted.is_set():  # a Ctrl-C whose KeyboardInterrupt was dropped on the way (see _interrupts)
+        if interrupted.is_set():  # a Ctrl-C whose KeyboardInterrupt was dropped on the way (see cli_stop.interrupts)
             raise KeyboardInterrupt
         print(ready_line(process, plan_http), flush=True)
 
@@ -273,7 +274,7 @@ def _up_ray(args: argparse.Namespace) -> int:
     try:
         wait_for_stop_signal()
     finally:
-        with _signals_ignored():
+        with signals_ignored():
             handle.stop()
     return 0
 
@@ -289,55 +290,6 @@ def _ray_port_spec(args: argparse.Namespace) -> local.ClusterSpec:
         worker_port=args.worker_port,
         metrics_port=args.metrics_port,
     )
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-"""What stops `epd up`: Ctrl-C, `kill`, and its terminal closing (SIGHUP's default would end it at once, leaving
-its services, each in a process group of its own, running on their ports)."""
-
-
-def wait_for_stop_signal(stopped: threading.Event | None = None) -> None:
-    """Block until one of ``STOP_SIGNALS`` (handled: none kills us before cleanup), at once if ``stopped`` is set."""
-    stopped = threading.Event() if stopped is None else stopped
-    previous = {sig: signal.signal(sig, lambda *_: stopped.set()) for sig in STOP_SIGNALS}
-    try:
-        while not stopped.wait(0.5):
-            pass
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-@contextlib.contextmanager
-def _interrupts() -> Iterator[threading.Event]:
-    """``STOP_SIGNALS`` raise KeyboardInterrupt, so start-up is unwound and cleaned up either way, and set the
-    event yielded. Installed whatever was there: a background job of a non-interactive shell inherits SIGINT
-    ignored, which Python keeps, so Ctrl-C (`kill -INT`) was ignored during start-up and honoured after it. The
-    event covers an interrupt raised where it is silenced: grpc's `Channel.__del__` wraps its work in a bare
-    `except`, and a health check's channel is collected at every poll of start-up."""
-    interrupted = threading.Event()
-
-    def interrupt(signum: int, frame: object) -> None:
-        interrupted.set()
-        raise KeyboardInterrupt
-
-    previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS}
-    try:
-        yield interrupted
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-@contextlib.contextmanager
-def _signals_ignored() -> Iterator[None]:
-    """While stopping: a second Ctrl-C must not cut the cleanup short (stop() SIGKILLs after its grace period)."""
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def demo_image() -> bytes:

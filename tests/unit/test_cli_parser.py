@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services import cli_up
+from services import cli_stop
 from services.cli import _parser, main
 from services.cli_errors import FAILURE, USAGE, UserError, one_line
 from services.cli_request import build_request, read_image, read_video
@@ -304,7 +304,7 @@ def test_a_ctrl_c_whose_interrupt_is_swallowed_during_start_up_is_still_seen() -
     silences every exception with a bare `except`, and a Ctrl-C raised there must still end start-up (at the next
     service ready) and the wait for a stop at once."""
     before = signal.getsignal(signal.SIGINT)  # SIG_IGN under nohup, as CI runs
-    with cli_up._interrupts() as interrupted:
+    with cli_stop.interrupts() as interrupted:
         try:
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1.0)  # the handler runs here
@@ -312,7 +312,7 @@ def test_a_ctrl_c_whose_interrupt_is_swallowed_during_start_up_is_still_seen() -
             pass
         assert interrupted.is_set()
         started = time.monotonic()
-        cli_up.wait_for_stop_signal(interrupted)
+        cli_stop.wait_for_stop_signal(interrupted)
         assert time.monotonic() - started < 0.5
     assert signal.getsignal(signal.SIGINT) is before  # restored
 
@@ -321,12 +321,12 @@ def test_a_closed_terminal_stops_up_as_ctrl_c_does() -> None:
     """SIGHUP (the terminal `epd up` runs in closed) ends start-up and the wait like Ctrl-C, so the services are
     stopped rather than left on their ports; the handler that was there is back after."""
     before = signal.getsignal(signal.SIGHUP)
-    with pytest.raises(KeyboardInterrupt), cli_up._interrupts():
+    with pytest.raises(KeyboardInterrupt), cli_stop.interrupts():
         os.kill(os.getpid(), signal.SIGHUP)
         time.sleep(1.0)
     threading.Timer(0.2, os.kill, args=(os.getpid(), signal.SIGHUP)).start()
     started = time.monotonic()
-    cli_up.wait_for_stop_signal()
+    cli_stop.wait_for_stop_signal()
     assert time.monotonic() - started < 5.0
     assert signal.getsignal(signal.SIGHUP) is before
 
@@ -336,7 +336,7 @@ def test_start_up_honours_a_ctrl_c_even_when_it_inherited_sigint_ignored() -> No
     suite): `epd up` installs its own handler, so `kill -INT` still ends start-up, as it ends the wait after it."""
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        with pytest.raises(KeyboardInterrupt), cli_up._interrupts():
+        with pytest.raises(KeyboardInterrupt), cli_stop.interrupts():
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1.0)
     finally:
