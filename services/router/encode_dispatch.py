@@ -12,7 +12,8 @@ backlog passes its time budget; then the client gets RESOURCE_EXHAUSTED at once,
 judges each encoder as it would judge itself, from its heartbeat (queued encoder tokens, drain rate per
 token, budget) plus the tokens this router counted on it since: when none has room the request is refused
 before any worker reserves blocks or any bytes are sent; otherwise its items are counted on their owners at once (a
-`Booking`, taken back when an owner refuses them or the request goes no further), and the Encode call
+`Booking`, taken back when an owner refuses them or the request goes no further; a request `precheck` judged on
+arrival at no fewer tokens than it books is not judged again), and the Encode call
 to an owner says `booked`: the time budget was judged here, before placement, so the encoder judges only
 its count ceilings and the deadline (a refusal after a worker's reservation is a slow one). A refusal by a count
 ceiling (`epd-overload: full`) is momentary: the request is held and tried again after the hint,
@@ -190,14 +191,18 @@ class EncodeDispatcher:
         past its time budget with them; the encoders still decide (other routers send to them too). Otherwise
         the items are counted on their owners at once (so requests checked meanwhile see them): pass the booking
         to `encode_items`, or to `release` when the request goes no further. `pending`, from `precheck`, is settled
-        first: these items replace it."""
+        first: these items replace it. A request whose items `precheck` already counted in full (no more tokens than
+        its estimate) is not judged again: the budget was judged on its arrival, and the drain rate moving by
+        several times within a burst between the two checks refused requests here after their intake and lookup,
+        the slowest refusals of an overload."""
+        judged = pending.tokens if pending is not None else 0.0
         if pending is not None:
             self.settle(pending)
         encoders = self._view.encoders()
         if not items or not encoders:
             return Booking()
         tokens = [max(1, item.ref.num_tokens) for item in items]
-        past = [e.past_budget_ms(sum(tokens)) for e in encoders]
+        past = [0] if sum(tokens) <= judged else [e.past_budget_ms(sum(tokens)) for e in encoders]
         if all(p > 0 for p in past):
             raise Rejection(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -301,3 +301,41 @@ def test_precheck_counts_the_requests_it_let_by_until_they_book() -> None:
         dispatcher.precheck(sources[3])  # (4 + 8 booked + 12 pending + 12) x 25 ms
     dispatcher.settle(third)
     assert dispatcher.precheck(sources[3]).tokens == 12  # (4 + 8 + 12) x 25 ms
+
+
+def test_a_request_judged_on_arrival_is_not_judged_again_when_it_books() -> None:
+    """The drain rate moves by several times within a burst, so a request `precheck` let by on arrival could be
+    refused at `check_room` after its intake and lookup (the slowest refusals of an overload): when its items are
+    no more tokens than `precheck` counted for it, it books without a second judgement; more tokens than counted,
+    or no count at all (no item booked yet), and it is judged."""
+    from services.common.registry import Member
+
+    state = {"queued_tokens": 4, "token_ms": 25.0, "budget_ms": 850, "over_budget_ms": 0}
+
+    class Published(StaticRegistry):
+        def members(self, role: str, revision: str | None = None) -> list[Member]:
+            return [Member("encoder", "e1", "r", dict(state), time.time())] if role == "encoder" else []
+
+    view = ClusterView(Published(), "r")  # type: ignore[arg-type]
+    asyncio.run(view.refresh())
+    dispatcher = EncodeDispatcher(view, None, lambda _: None, [])  # type: ignore[arg-type, return-value]
+
+    def items(n: int, size: int = 4) -> list[encoder_pb2.EncodeItem]:
+        return [encoder_pb2.EncodeItem(ref=common_pb2.MediaRef(mm_hash=f"h{i}", num_tokens=size)) for i in range(n)]
+
+    unjudged = dispatcher.precheck(["s0"])  # no item booked yet: counted at nothing
+    dispatcher.release(dispatcher.check_room(items(1), unjudged))  # one 4-token item booked (and given back)
+    passed = [dispatcher.precheck([f"s{r}"]) for r in range(1, 4)]  # each (4 + pending + 4) x 25 ms: admitted
+    state["token_ms"] = 400.0  # the next heartbeat: the rate rose (4 + 4) x 400 ms past 850
+    asyncio.run(view.refresh())
+    booking = dispatcher.check_room(items(1), passed[0])  # its 4 tokens were judged on arrival: booked
+    assert booking.tokens == {"e1": 4}
+    with pytest.raises(RequestError) as info:
+        dispatcher.check_room(items(1, size=8), passed[1])  # 8 tokens against the 4 counted: judged, refused
+    assert info.value.reason == "encoders_busy"
+    assert passed[1].tokens == 0  # settled all the same
+    with pytest.raises(RequestError):
+        dispatcher.check_room(items(1))  # not let by `precheck`: judged
+    with pytest.raises(RequestError):
+        dispatcher.precheck(["s9"])  # arrivals from now on are judged at the new rate
+    dispatcher.settle(passed[2])
