@@ -279,7 +279,17 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def build_app(api: HttpApi) -> FastAPI:
     """The ASGI app; it holds no state of its own beyond `api` (and its OpenAPI document, built once)."""
-    app = FastAPI(title="epd", version=api.version, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+    app = FastAPI(
+        title="epd",
+        version=api.version,
+        docs_url="/docs",
+        redoc_url=None,
+        openapi_url="/openapi.json",
+        # the router's own spans, metrics and finished lines cover every request (docs/observability.md); FastAPI's
+        # native telemetry would add an HTTP span and instruments of its own once a tracer is set, and asks the
+        # environment on every request whether one is (~2 % of the router's loop in an image burst)
+        telemetry={"tracing": False, "metrics": False, "logs": False},
+    )
     routes = Routes(api)
     post = {
         "/v1/chat/completions": routes.chat_completions,
