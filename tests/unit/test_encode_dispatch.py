@@ -122,6 +122,24 @@ def test_every_encoder_past_its_budget_refuses_before_any_call(cache: EmbeddingC
     dispatcher.check_room([item])  # e2 admits again
 
 
+def _published_encoder(state: dict) -> tuple[ClusterView, EncodeDispatcher]:
+    """A dispatcher whose view holds one encoder, `e1`, publishing `state` (read again at each `view.refresh()`)."""
+    from services.common.registry import Member
+
+    class Published(StaticRegistry):
+        def members(self, role: str, revision: str | None = None) -> list[Member]:
+            return [Member("encoder", "e1", "r", dict(state), time.time())] if role == "encoder" else []
+
+    view = ClusterView(Published(), "r")  # type: ignore[arg-type]
+    asyncio.run(view.refresh())
+    return view, EncodeDispatcher(view, None, lambda _: None, [])  # type: ignore[arg-type, return-value]
+
+
+def items(n: int, size: int = 4) -> list[encoder_pb2.EncodeItem]:
+    """`n` items of `size` encoder tokens each (hashes h0, h1, ...)."""
+    return [encoder_pb2.EncodeItem(ref=common_pb2.MediaRef(mm_hash=f"h{i}", num_tokens=size)) for i in range(n)]
+
+
 def test_the_router_counts_what_it_booked_since_the_encoders_heartbeat() -> None:
     """An encoder publishing its queue, drain rate and budget is judged as it judges itself, with the tokens this
     router booked on it since that heartbeat added (each request's at once, so requests checked meanwhile see
@@ -142,9 +160,6 @@ def test_the_router_counts_what_it_booked_since_the_encoders_heartbeat() -> None
     view = ClusterView(Published(), "r", clock=lambda: now[0])  # type: ignore[arg-type]
     asyncio.run(view.refresh())
     dispatcher = EncodeDispatcher(view, None, lambda _: None, [])  # type: ignore[arg-type, return-value]
-
-    def items(n: int) -> list[encoder_pb2.EncodeItem]:
-        return [encoder_pb2.EncodeItem(ref=common_pb2.MediaRef(mm_hash=f"h{i}", num_tokens=4)) for i in range(n)]
 
     first = dispatcher.check_room(items(3))  # nothing queued: anything is admitted; 3 items of 4 tokens booked
     assert first.tokens == {"e1": 12}
@@ -268,21 +283,8 @@ def test_precheck_counts_the_requests_it_let_by_until_they_book() -> None:
     on the encoders, at the median tokens of the items booked last (none yet: nothing), so the burst is refused on
     arrival once those would pass the budget, not at `check_room` after its intake; `check_room` replaces them with
     the real booking, and `settle` gives back a request's that ended."""
-    from services.common.registry import Member
-
     state = {"queued_tokens": 4, "token_ms": 25.0, "budget_ms": 850, "over_budget_ms": 0}
-
-    class Published(StaticRegistry):
-        def members(self, role: str, revision: str | None = None) -> list[Member]:
-            return [Member("encoder", "e1", "r", dict(state), time.time())] if role == "encoder" else []
-
-    view = ClusterView(Published(), "r")  # type: ignore[arg-type]
-    asyncio.run(view.refresh())
-    dispatcher = EncodeDispatcher(view, None, lambda _: None, [])  # type: ignore[arg-type, return-value]
-
-    def items(n: int) -> list[encoder_pb2.EncodeItem]:
-        return [encoder_pb2.EncodeItem(ref=common_pb2.MediaRef(mm_hash=f"h{i}", num_tokens=4)) for i in range(n)]
-
+    _, dispatcher = _published_encoder(state)
     sources = [[f"s{r}-{i}" for i in range(3)] for r in range(4)]
     assert dispatcher.precheck(sources[0]).tokens == 0  # no item booked yet: their size is not known
     dispatcher.release(dispatcher.check_room(items(1)))  # one 4-token item booked (and given back)
@@ -308,21 +310,8 @@ def test_a_request_judged_on_arrival_is_not_judged_again_when_it_books() -> None
     refused at `check_room` after its intake and lookup (the slowest refusals of an overload): when its items are
     no more tokens than `precheck` counted for it, it books without a second judgement; more tokens than counted,
     or no count at all (no item booked yet), and it is judged."""
-    from services.common.registry import Member
-
     state = {"queued_tokens": 4, "token_ms": 25.0, "budget_ms": 850, "over_budget_ms": 0}
-
-    class Published(StaticRegistry):
-        def members(self, role: str, revision: str | None = None) -> list[Member]:
-            return [Member("encoder", "e1", "r", dict(state), time.time())] if role == "encoder" else []
-
-    view = ClusterView(Published(), "r")  # type: ignore[arg-type]
-    asyncio.run(view.refresh())
-    dispatcher = EncodeDispatcher(view, None, lambda _: None, [])  # type: ignore[arg-type, return-value]
-
-    def items(n: int, size: int = 4) -> list[encoder_pb2.EncodeItem]:
-        return [encoder_pb2.EncodeItem(ref=common_pb2.MediaRef(mm_hash=f"h{i}", num_tokens=size)) for i in range(n)]
-
+    view, dispatcher = _published_encoder(state)
     unjudged = dispatcher.precheck(["s0"])  # no item booked yet: counted at nothing
     dispatcher.release(dispatcher.check_room(items(1), unjudged))  # one 4-token item booked (and given back)
     passed = [dispatcher.precheck([f"s{r}"]) for r in range(1, 4)]  # each (4 + pending + 4) x 25 ms: admitted
