@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import math
 import time
 
 import grpc
-import torch
 
 from services.common.dist_receiver import DistReceiver
 from services.common.drain import Drain
@@ -46,24 +44,11 @@ from services.worker.kv_transfer import KVAssembler, KVPusher, is_failure, kv_tr
 from services.worker.messages import by_choice, engine_request, response
 from services.worker.metrics import WorkerMetrics
 from services.worker.push_receiver import PushReceiver
-from services.worker.relay import Relay, RelayClosed
+from services.worker.relay import Relay
+from services.worker.request_inputs import EmbeddingFetches, kv_deadline
+from services.worker.stream_ends import Drained, ending
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class FetchFailed:
-    """On a request's output queue: an embedding it needs did not arrive in time."""
-
-    message: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Drained:
-    """On a request's output queue: the worker is shutting down and ends the request (the router migrates it)."""
-
-
-DRAIN_METADATA = (("epd-migrate-reason", "drain"),)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -80,7 +65,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._config = config
         self._metrics = metrics
         self._dist = dist or DistReceiver.for_service(config.host, config.address, device=config.device)
-        self._pushes = PushReceiver(self._put_embedding, self._dist, self._count_pushed)
+        self._pushes = PushReceiver(store.put, self._dist, self._count_pushed)
         self._outbox: LoopMailbox | None = None
         host.deliver = self._deliver  # a step's outputs: one wake-up of this event loop for all of them
         self.drain = Drain()
@@ -94,9 +79,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._kv_transport = kv_transport(config.kv_transport, self._stub, hostname, config.kv_transfer_timeout_s)
         if hasattr(host, "deliver_kv"):
             host.deliver_kv = self._deliver_kv
-
-    def _put_embedding(self, mm_hash: str, tensor: torch.Tensor) -> None:
-        self._store.put(mm_hash, tensor)
 
     def _count_pushed(self, nbytes: int, transport: str) -> None:
         self._metrics.transfer_bytes.add(nbytes, {"transport": transport})
@@ -205,12 +187,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         timeout = request.embedding_timeout_s or self._config.embedding_timeout_s
         media = [] if direction == KV_RECEIVE else request.media  # a remote prefill's embeddings go to the prefill
         hashes = dict.fromkeys(m.mm_hash for m in media)  # an item of several spans (a video's frame groups): once
-        fetchers = [asyncio.create_task(self._fetch(mm_hash, timeout)) for mm_hash in hashes]
-        embedded = _LastDone(fetchers)  # when the last embedding arrived: the first response's encode_wait_s
-        watcher = asyncio.create_task(self._watch_fetches(fetchers, outputs))
-        kv_deadline = None
+        wait = self._metrics.embedding_wait_seconds.record
+        embeddings = EmbeddingFetches(hashes, self._store, self._host.provide_embedding, wait, outputs, timeout)
+        kv_wait = None
         if direction == KV_RECEIVE:  # its prefill worker may die or stall: the reservation is not held forever
-            kv_deadline = asyncio.create_task(_kv_deadline(outputs, self._config.kv_transfer_timeout_s))
+            kv_wait = asyncio.create_task(kv_deadline(outputs, self._config.kv_transfer_timeout_s))
         finished = False
         first_token = True
         generated = cached = 0
@@ -230,8 +211,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 opening = first_token  # this message carries the first tokens: and the embedding wait
                 if first_token:
                     first_token = False
-                    if kv_deadline is not None:
-                        kv_deadline.cancel()
+                    if kv_wait is not None:
+                        kv_wait.cancel()
                     self._metrics.prefill_seconds.record(time.perf_counter() - start)
                     prefill = {"gen_ai.usage.prompt_tokens": len(request.token_ids), "epd.cached_tokens": cached}
                     stages.mark("worker.prefill", prefill)
@@ -242,7 +223,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 for group in by_choice(outs):
                     message = response(group, time.perf_counter() - start, freed_at if group[-1] is last else 0.0)
                     if opening:
-                        message.encode_wait_s = embedded.seconds_after(admitted_from)
+                        message.encode_wait_s = embeddings.seconds_after(admitted_from)
                     if relay is None:
                         yield message
                     else:
@@ -258,28 +239,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     pusher.cancel()
             if relay is not None:
                 relay.unbind(request.request_id)
-            watcher.cancel()
-            if kv_deadline is not None:
-                kv_deadline.cancel()
-            for task in fetchers:
-                task.cancel()
+            embeddings.cancel()
+            if kv_wait is not None:
+                kv_wait.cancel()
             if not finished:
                 self._host.abort(request.request_id)
                 stages.mark("worker.ended", {"gen_ai.usage.completion_tokens": generated}, error="ended early")
             self._host.finished_at.pop(request.request_id, None)
 
     async def _abort_unless_output(self, last: object, context: grpc.aio.ServicerContext) -> None:
-        """Abort the call when what ended the request's outputs is not the engine's: this worker's drain timeout, an
-        embedding that never came, the relay closing, or a failed engine step (None)."""
-        if isinstance(last, Drained):
-            message = f"worker {self._config.address} shut down (drain timeout)"
-            await context.abort(grpc.StatusCode.UNAVAILABLE, message, trailing_metadata=DRAIN_METADATA)
-        if isinstance(last, FetchFailed):
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, last.message)
-        if isinstance(last, RelayClosed):
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"relay {last.relay_id} closed")
-        if last is None:
-            await context.abort(grpc.StatusCode.INTERNAL, "engine step failed; see worker log")
+        """Abort the call when what ended the request's outputs is not the engine's (services/worker/stream_ends.py)."""
+        ended = ending(last, self._config.address)
+        if ended is not None:
+            code, message, metadata = ended
+            await context.abort(code, message, trailing_metadata=metadata)
 
     async def _kv_sent(self, pusher: KVPusher, peer: str, context: grpc.aio.ServicerContext, start: float) -> None:
         """A remote prefill's last chunk went: wait until the decode worker holds every block (only then is this
@@ -313,22 +286,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._metrics.prefix_cache_hits.add(cached_tokens)
         self._metrics.prompt_tokens.add(prompt_tokens)
         self._metrics.generation_tokens.add(generated)
-
-    async def _fetch(self, mm_hash: str, timeout_s: float) -> None:
-        start = time.perf_counter()
-        tensor = await self._store.fetch(mm_hash, timeout_s)
-        self._metrics.embedding_wait_seconds.record(time.perf_counter() - start)
-        self._host.provide_embedding(mm_hash, tensor)
-
-    @staticmethod
-    async def _watch_fetches(tasks: list[asyncio.Task], outputs: asyncio.Queue) -> None:
-        """Put a FetchFailed on the request's output queue when an embedding fetch times out."""
-        for task in asyncio.as_completed(tasks):
-            try:
-                await task
-            except TimeoutError as exc:
-                outputs.put_nowait(FetchFailed(str(exc)))
-                return
 
     async def PushEmbeddings(self, request_iterator, context: grpc.aio.ServicerContext) -> worker_pb2.PushAck:
         return await self._pushes.push_embeddings(request_iterator, context)
@@ -389,28 +346,3 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except EngineGone:
             found = False  # its engine process is gone, and the request with it
         return worker_pb2.AbortReply(found=found)
-
-
-async def _kv_deadline(outputs: asyncio.Queue, timeout_s: float) -> None:
-    """Put a FetchFailed on a receiving request's queue when its KV has not all arrived within ``timeout_s`` (the
-    request then ends DEADLINE_EXCEEDED, its blocks freed; its router re-admits it; late chunks are dropped)."""
-    await asyncio.sleep(timeout_s)
-    outputs.put_nowait(FetchFailed(f"the remote prefill's KV did not arrive within {timeout_s:g}s"))
-
-
-class _LastDone:
-    """The perf_counter time at which the last of `tasks` finished (their done callbacks set it)."""
-
-    def __init__(self, tasks: list[asyncio.Task]) -> None:
-        self._left = len(tasks)
-        self._at = 0.0
-        for task in tasks:
-            task.add_done_callback(self._done)
-
-    def _done(self, task: asyncio.Task) -> None:
-        self._left -= 1
-        self._at = max(self._at, time.perf_counter())
-
-    def seconds_after(self, since: float) -> float:
-        """Seconds from `since` until the last task finished; 0 while any is running or when there were none."""
-        return max(0.0, self._at - since) if self._left == 0 and self._at else 0.0
