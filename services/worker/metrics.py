@@ -131,3 +131,10 @@ class WorkerMetrics:
             self.step_time_ratio.record(timing.seconds / timing.predicted_s)
         if timing.prefill_budget is not None:
             self.step_prefill_budget.record(timing.prefill_budget)
+
+    def record_finished(self, prompt_tokens: int, cached_tokens: int, generated: int) -> None:
+        """One finished request: its prompt (queried against the prefix cache), the cached part, its output."""
+        self.prefix_cache_queries.add(prompt_tokens)
+        self.prefix_cache_hits.add(cached_tokens)
+        self.prompt_tokens.add(prompt_tokens)
+        self.generation_tokens.add(generated)

@@ -23,6 +23,7 @@ import math
 import time
 
 import grpc
+import torch
 
 from services.common.dist_receiver import DistReceiver
 from services.common.drain import Drain
@@ -65,7 +66,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._config = config
         self._metrics = metrics
         self._dist = dist or DistReceiver.for_service(config.host, config.address, device=config.device)
-        self._pushes = PushReceiver(store.put, self._dist, self._count_pushed)
+        self._pushes = PushReceiver(self._put_embedding, self._dist, self._count_pushed)
         self._outbox: LoopMailbox | None = None
         host.deliver = self._deliver  # a step's outputs: one wake-up of this event loop for all of them
         self.drain = Drain()
@@ -79,6 +80,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._kv_transport = kv_transport(config.kv_transport, self._stub, hostname, config.kv_transfer_timeout_s)
         if hasattr(host, "deliver_kv"):
             host.deliver_kv = self._deliver_kv
+
+    def _put_embedding(self, mm_hash: str, tensor: torch.Tensor) -> None:
+        self._store.put(mm_hash, tensor)
 
     def _count_pushed(self, nbytes: int, transport: str) -> None:
         self._metrics.transfer_bytes.add(nbytes, {"transport": transport})
@@ -217,7 +221,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     prefill = {"gen_ai.usage.prompt_tokens": len(request.token_ids), "epd.cached_tokens": cached}
                     stages.mark("worker.prefill", prefill)
                 if finished:
-                    self._record_finished(len(request.token_ids), cached, generated)
+                    self._metrics.record_finished(len(request.token_ids), cached, generated)
                     stages.mark("worker.decode", {"gen_ai.usage.completion_tokens": generated})
                 freed_at = self._host.finished_at.pop(request.request_id, 0.0) if finished else 0.0
                 for group in by_choice(outs):
@@ -280,12 +284,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         finally:
             self._relays.pop(request.relay_id, None)
             relay.close()
-
-    def _record_finished(self, prompt_tokens: int, cached_tokens: int, generated: int) -> None:
-        self._metrics.prefix_cache_queries.add(prompt_tokens)
-        self._metrics.prefix_cache_hits.add(cached_tokens)
-        self._metrics.prompt_tokens.add(prompt_tokens)
-        self._metrics.generation_tokens.add(generated)
 
     async def PushEmbeddings(self, request_iterator, context: grpc.aio.ServicerContext) -> worker_pb2.PushAck:
         return await self._pushes.push_embeddings(request_iterator, context)
