@@ -202,14 +202,16 @@ class EncodeDispatcher:
         if not items or not encoders:
             return Booking()
         tokens = [max(1, item.ref.num_tokens) for item in items]
-        past = [0] if sum(tokens) <= judged else [e.past_budget_ms(sum(tokens)) for e in encoders]
-        if all(p > 0 for p in past):
-            raise Rejection(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                "every encoder is busy (its queue's expected wait is past its budget); retry later",
-                "encoders_busy",
-                max(20, min(past)),
-            )
+        total = sum(tokens)
+        if total > judged:
+            past = [e.past_budget_ms(total) for e in encoders]
+            if all(p > 0 for p in past):
+                raise Rejection(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "every encoder is busy (its queue's expected wait is past its budget); retry later",
+                    "encoders_busy",
+                    max(20, min(past)),
+                )
         groups = group_by_encoder([item.ref.mm_hash for item in items], [e.address for e in encoders])
         booking = Booking({owner: sum(tokens[i] for i in indexes) for owner, indexes in groups.items()})
         for owner, count in booking.tokens.items():
