@@ -161,14 +161,7 @@ class EncodeDispatcher:
             return Pending()
         tokens = unknown * (statistics.median_low(self._recent) if self._recent else 0)
         pending = self._pending / len(encoders)
-        past = [e.past_budget_ms(tokens, pending) for e in encoders]
-        if all(p > 0 for p in past):
-            raise Rejection(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                "every encoder is busy (its queue's expected wait is past its budget); retry later",
-                "encoders_busy",
-                max(20, min(past)),
-            )
+        _refuse_when_all_past([e.past_budget_ms(tokens, pending) for e in encoders])
         self._pending += tokens
         return Pending(tokens)
 
@@ -204,14 +197,7 @@ class EncodeDispatcher:
         tokens = [max(1, item.ref.num_tokens) for item in items]
         total = sum(tokens)
         if total > judged:
-            past = [e.past_budget_ms(total) for e in encoders]
-            if all(p > 0 for p in past):
-                raise Rejection(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    "every encoder is busy (its queue's expected wait is past its budget); retry later",
-                    "encoders_busy",
-                    max(20, min(past)),
-                )
+            _refuse_when_all_past([e.past_budget_ms(total) for e in encoders])
         groups = group_by_encoder([item.ref.mm_hash for item in items], [e.address for e in encoders])
         booking = Booking({owner: sum(tokens[i] for i in indexes) for owner, indexes in groups.items()})
         for owner, count in booking.tokens.items():
@@ -338,3 +324,15 @@ class EncodeDispatcher:
             if exc.code() not in RETRYABLE:
                 raise RequestError(exc.code(), f"encoder {address}: {exc.details()}") from exc
             return Failure(f"{address}: {exc.code().name}")
+
+
+def _refuse_when_all_past(past_ms: list[int]) -> None:
+    """Refuse (RESOURCE_EXHAUSTED, retry after the least excess, at least 20 ms) when every encoder's expected wait
+    is past its budget (each entry: by how many ms, 0 when within)."""
+    if all(p > 0 for p in past_ms):
+        raise Rejection(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "every encoder is busy (its queue's expected wait is past its budget); retry later",
+            "encoders_busy",
+            max(20, min(past_ms)),
+        )
