@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -230,6 +231,10 @@ class ClusterStartError(RuntimeError):
         self.reason = reason
 
 
+class StartCancelled(Exception):
+    """`start_cluster` stopped waiting because its caller set `cancelled`; everything started was stopped."""
+
+
 class _NotReady(Exception):
     def __init__(self, process: Process, reason: str) -> None:
         super().__init__(reason)
@@ -238,12 +243,17 @@ class _NotReady(Exception):
 
 
 def start_cluster(
-    spec: ClusterSpec, timeout_s: float = 180.0, on_ready: Callable[[Process], None] | None = None
+    spec: ClusterSpec,
+    timeout_s: float = 180.0,
+    on_ready: Callable[[Process], None] | None = None,
+    cancelled: threading.Event | None = None,
 ) -> LocalCluster:
     """Start everything and wait for health, calling `on_ready` for each service as it becomes healthy.
 
     On failure (a service exits, or is not healthy within `timeout_s`) stop what started and raise
-    ClusterStartError with every log's tail; on any other exception (Ctrl-C included) stop it and re-raise.
+    ClusterStartError with every log's tail; on any other exception (Ctrl-C included) stop it and re-raise. A caller
+    that runs this on a thread of its own, where Ctrl-C cannot reach it, sets `cancelled` instead: the wait ends
+    within a poll (StartCancelled), what started is stopped.
     """
     redis_process = ensure_redis(spec.redis_url)
     spawned: list[Process] = []
@@ -253,7 +263,7 @@ def start_cluster(
         _stop_popens([p.popen for p in reversed(spawned)] + ([redis_process] if redis_process else []), 5.0)
         raise
     try:
-        _wait_ready(cluster.processes, timeout_s, on_ready or (lambda _process: None))
+        _wait_ready(cluster.processes, timeout_s, on_ready or (lambda _process: None), cancelled)
     except _NotReady as exc:
         tails = "\n".join(f"--- {p.role} {p.address} ---\n{p.log_tail()}" for p in cluster.processes)
         cluster.stop()
@@ -309,11 +319,19 @@ def _spawn_cluster(
     )
 
 
-def _wait_ready(processes: list[Process], timeout_s: float, on_ready: Callable[[Process], None]) -> None:
-    """Poll every service's health until all serve, reporting each once; raise _NotReady on death or timeout."""
+def _wait_ready(
+    processes: list[Process],
+    timeout_s: float,
+    on_ready: Callable[[Process], None],
+    cancelled: threading.Event | None = None,
+) -> None:
+    """Poll every service's health until all serve, reporting each once; raise _NotReady on death or timeout,
+    StartCancelled once `cancelled` is set."""
     pending = list(processes)
     deadline = time.monotonic() + timeout_s
     while pending:
+        if cancelled is not None and cancelled.is_set():
+            raise StartCancelled
         for process in list(pending):
             code = process.popen.poll()
             if code is not None:

@@ -9,10 +9,13 @@ first core, every other service and this process on the rest, set again before e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
+import threading
 import time
 import urllib.request
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +74,7 @@ class BenchCluster:
         pd_min_prefill_tokens: int = 256,
         pinned: bool = False,
     ) -> BenchCluster:
-        from services.launch.local import ClusterSpec, start_cluster
+        from services.launch.local import ClusterSpec, StartCancelled, start_cluster
 
         env = {**env, "EPD_ITL_TARGET_MS": str(target_ms), "EPD_HTTP_PORT": "0"}
         spec = ClusterSpec(
@@ -82,11 +85,14 @@ class BenchCluster:
             prefill_workers=prefill_workers,
             pd_min_prefill_tokens=pd_min_prefill_tokens,
         )
-        starting = asyncio.get_running_loop().run_in_executor(None, start_cluster, spec)
+        cancelled = threading.Event()
+        starting = asyncio.get_running_loop().run_in_executor(None, partial(start_cluster, spec, cancelled=cancelled))
         try:
             cluster = await asyncio.shield(starting)
-        except asyncio.CancelledError:  # interrupted while it starts: what it started stops with it
-            (await starting).stop()
+        except asyncio.CancelledError:  # interrupted while it starts: it stops waiting and stops what it started
+            cancelled.set()
+            with contextlib.suppress(StartCancelled):
+                (await starting).stop()  # it had started all the same
             raise
         opened = cls(cluster, settings, images)
         opened.pinned = pinned

@@ -7,6 +7,7 @@ during start-up). Every command here is a real `python -m services.cli` process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -225,6 +226,33 @@ def test_ctrl_c_during_start_up_stops_everything(tiny_model_dir: Path, redis_ser
     assert not log_dir.exists(), f"left {log_dir}"
     assert len(services) == 3
     assert psutil.wait_procs(services, timeout=10)[1] == [], "a service outlived epd up"
+
+
+def test_a_cancelled_start_stops_what_it_started(tiny_model_dir: Path, redis_server: RedisServer) -> None:
+    """`start_cluster` on a thread of its caller's (a bench's), which Ctrl-C cannot reach: once `cancelled` is set
+    its wait for health ends and every service it spawned is stopped before it raises (the launcher's fork server
+    itself, kept for this process's later starts, is not a service; what it forked is)."""
+    import threading
+
+    from services.launch.local import ClusterSpec, StartCancelled, start_cluster
+
+    def running() -> dict[int, str]:
+        found = {}
+        for process in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                command = " ".join(process.cmdline())
+                server = process.ppid() == os.getpid() and "services.launch.forkserver" in command  # its forks: kept
+                if process.status() != psutil.STATUS_ZOMBIE and not server:
+                    found[process.pid] = command
+        return found
+
+    before = running()
+    cancelled = threading.Event()
+    cancelled.set()
+    with pytest.raises(StartCancelled):
+        start_cluster(ClusterSpec(tiny_model_dir, redis_url=redis_server.url, free_ports=True), cancelled=cancelled)
+    left = {pid: command for pid, command in running().items() if pid not in before}
+    assert left == {}, left
 
 
 def test_a_bench_stopped_with_sigterm_stops_its_services() -> None:
