@@ -10,7 +10,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.launch.local import free_port, redis_answers
+from services.launch.local import free_port
+from services.launch.local_redis import redis_answers
 from tests.certs import CertAuthority
 
 PASSWORD = "s3cret-Redis_pw"

@@ -14,7 +14,6 @@ imports (forkserver.py), when its settings allow.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,11 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import redis
-
 from services.common.tls import client_from_env
 from services.launch import forkserver
 from services.launch.health import check
+from services.launch.local_redis import ensure_redis
 from services.launch.ports import free_port
 
 ROUTER_PORT, ENCODER_PORT, WORKER_PORT, METRICS_PORT, HTTP_PORT = 50051, 50061, 50071, 9400, 8000
@@ -151,37 +149,6 @@ class LocalCluster:
         if self.redis_process is not None:
             popens.append(self.redis_process)
         _stop_popens(popens, grace_s)
-
-
-def redis_answers(url: str) -> bool:
-    try:
-        client = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
-        ok = bool(client.ping())
-        client.close()
-        return ok
-    except (redis.RedisError, OSError):
-        return False
-
-
-def ensure_redis(url: str) -> subprocess.Popen | None:
-    """Return None when Redis at `url` answers; else start redis-server on its port and return it."""
-    if redis_answers(url):
-        return None
-    server = shutil.which("redis-server")
-    if server is None:
-        raise RuntimeError(f"no Redis answers at {url} and redis-server is not installed")
-    port = redis.connection.parse_url(url).get("port", 6379)
-    popen = subprocess.Popen(
-        [server, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    for _ in range(50):
-        if redis_answers(url):
-            return popen
-        time.sleep(0.1)
-    popen.kill()
-    raise RuntimeError(f"started redis-server but {url} does not answer")
 
 
 def spawn(role: str, port: int, metrics_port: int, env: dict[str, str], log_dir: Path) -> Process:

@@ -132,7 +132,7 @@ def check_ports(ports: Sequence[tuple[str, int, str]]) -> None:
 
 def check_redis(url: str) -> None:
     """Redis answers at `url`, or it is on this box and redis-server is installed to start it."""
-    from services.launch.local import redis_answers
+    from services.launch.local_redis import redis_answers
 
     if redis_answers(url):
         return

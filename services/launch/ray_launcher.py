@@ -8,7 +8,7 @@ the same path. Without an address a local Ray instance is started and shut down 
 
 Every service gets the same EPD_REDIS_URL: the router finds workers and encoders in the Redis
 registry they heartbeat into. When nothing answers at a loopback `redis_url` and `redis-server`
-is installed, a Redis is started on that port (`services.launch.local.ensure_redis`) and
+is installed, a Redis is started on that port (`services.launch.local_redis.ensure_redis`) and
 `stop()` stops it too.
 """
 
@@ -249,7 +249,7 @@ class Placement:
 
 def _local_redis(url: str) -> subprocess.Popen[bytes] | None:
     """A redis-server started for a loopback `url` nobody answers at; None when not needed or possible."""
-    from services.launch.local import ensure_redis
+    from services.launch.local_redis import ensure_redis
 
     if urlsplit(url).hostname not in LOOPBACK_HOSTS or shutil.which("redis-server") is None:
         return None

@@ -18,7 +18,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.launch.local import redis_answers
+from services.launch.local_redis import redis_answers
 from services.launch.ray_launcher import RayCluster, _local_redis, launch_on_ray, plan_services
 from services.launch.service_process import descendants, free_port, is_alive
 

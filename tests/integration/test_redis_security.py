@@ -19,7 +19,7 @@ from services.common.cache_hmac import CacheSigner
 from services.common.embedding_cache import CacheSettings, EmbeddingCache
 from services.common.registry import Registry
 from services.encoder.inflight_lock import InflightLocks
-from services.launch.local import redis_answers
+from services.launch.local_redis import redis_answers
 from tests.certs import CertAuthority
 from tests.secure_redis import PASSWORD, SecureRedis
 
