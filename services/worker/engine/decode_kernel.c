@@ -60,6 +60,12 @@ static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
 static inline vf splat(float x) { vf v = {0}; return v + x; }
 static inline vf vmax(vf a, vf b) { vi m = a > b; return (vf)(((vi)a & m) | ((vi)b & ~m)); }
 static inline float hmax(vf v) { float m = v[0]; for (int i = 1; i < VL; i++) m = v[i] > m ? v[i] : m; return m; }
+/* Ask for `bytes` from `p` into L2 (prefetcht1) ahead of their use: a step's K/V (megabytes over its layers) is
+ * evicted by the rest of the step before the next, and a sequence's blocks lie anywhere in the pool, which the
+ * hardware prefetchers cannot follow from one block to the next (docs/engine.md). */
+static inline void prefetch_lines(const char *p, int64_t bytes) {
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(p + line, 0, 2);
+}
 
 /* exp(x) lane-wise for x <= 0: Cephes expf's range reduction and polynomial (about 1 ulp); x below -87
  * gives about 1e-38, i.e. nothing next to the maximum's exp(0) = 1. */
@@ -106,8 +112,17 @@ static inline __attribute__((always_inline)) void normalise(float *scores, int64
  * for both heads: even and odd dims in two chains per vector, added at the end of the block. */
 static inline __attribute__((always_inline)) void block_scores(
     const float *qa, const float *qb, const void *k_head, int64_t k_off, const int64_t *table, int64_t j, int NB,
-    int64_t len, int64_t head_dim, float scale, float *sa, float *sb, vf *ma, vf *mb, int pair, int bf16) {
+    int64_t len, int64_t head_dim, float scale, float *sa, float *sb, vf *ma, vf *mb, int pair, int bf16,
+    const char *v_head, int64_t nblocks) {
     int64_t kt[BLK];
+    /* fetched while these blocks' scores are computed, a share per dim pair: the next group's key blocks and
+     * these blocks' values (summed right after the scores) */
+    const int64_t esz = bf16 ? 2 : 4, share = 2 * BS * esz;
+    const char *next_k[BLK], *values[BLK];
+    for (int u = 0; u < NB; u++) {
+        next_k[u] = j + NB + u < nblocks ? (const char *)k_head + (k_off + table[j + NB + u] * head_dim * BS) * esz : 0;
+        values[u] = v_head + (k_off + table[j + u] * head_dim * BS) * esz; /* V's blocks are laid out as K's */
+    }
     vf a0[BLK][NV], a1[BLK][NV], b0[BLK][NV], b1[BLK][NV];
     for (int u = 0; u < NB; u++) {
         kt[u] = k_off + table[j + u] * head_dim * BS;
@@ -115,6 +130,10 @@ static inline __attribute__((always_inline)) void block_scores(
     }
     for (int64_t d = 0; d < head_dim; d += 2) {
         const float qa0 = qa[d], qa1 = qa[d + 1], qb0 = qb[d], qb1 = qb[d + 1];
+        for (int u = 0; u < NB; u++) {
+            if (next_k[u]) prefetch_lines(next_k[u] + d * BS * esz, share);
+            prefetch_lines(values[u] + d * BS * esz, share);
+        }
         for (int u = 0; u < NB; u++) {
             for (int k = 0; k < NV; k++) {
                 const vf k0 = load_kv(k_head, kt[u] + d * BS + k * VL, bf16);
@@ -147,14 +166,16 @@ static inline __attribute__((always_inline)) void block_scores(
  * per block, into sa (sb): BLK blocks at a time, then the rest one by one. */
 static inline __attribute__((always_inline)) void softmax_scores(
     const float *qa, const float *qb, const void *k_head, int64_t k_off, const int64_t *table, int64_t nblocks,
-    int64_t len, int64_t head_dim, float scale, float *sa, float *sb, int pair, int bf16) {
+    int64_t len, int64_t head_dim, float scale, float *sa, float *sb, int pair, int bf16, const char *v_head) {
     vf ma[NV], mb[NV];
     for (int k = 0; k < NV; k++) ma[k] = mb[k] = splat(-1e30f);
     int64_t j = 0;
     for (; j + BLK <= nblocks; j += BLK)
-        block_scores(qa, qb, k_head, k_off, table, j, BLK, len, head_dim, scale, sa, sb, ma, mb, pair, bf16);
+        block_scores(qa, qb, k_head, k_off, table, j, BLK, len, head_dim, scale, sa, sb, ma, mb, pair, bf16, v_head,
+                     nblocks);
     for (; j < nblocks; j++)
-        block_scores(qa, qb, k_head, k_off, table, j, 1, len, head_dim, scale, sa, sb, ma, mb, pair, bf16);
+        block_scores(qa, qb, k_head, k_off, table, j, 1, len, head_dim, scale, sa, sb, ma, mb, pair, bf16, v_head,
+                     nblocks);
     normalise(sa, nblocks, ma);
     if (pair) normalise(sb, nblocks, mb);
 }
@@ -207,10 +228,19 @@ static inline __attribute__((always_inline)) int attention(
                 float *sa = scratch + qi * width * BS;
                 if (qi + 1 < group)
                     softmax_scores(qa, qa + q_stride_h, k_cache, g * head_stride, table, nblocks, len, head_dim, scale,
-                                   sa, sa + width * BS, 1, bf16);
+                                   sa, sa + width * BS, 1, bf16, (const char *)v_cache);
                 else
                     softmax_scores(qa, qa, k_cache, g * head_stride, table, nblocks, len, head_dim, scale, sa, sa, 0,
-                                   bf16);
+                                   bf16, (const char *)v_cache);
+            }
+            /* the first key blocks of the next head (or row), fetched while these values are summed */
+            const int64_t next_b = g + 1 < kv_heads ? b : b + 1, next_g = g + 1 < kv_heads ? g + 1 : 0;
+            if (next_b < batch) {
+                const int64_t esz = bf16 ? 2 : 4, next_blocks = (lengths[next_b] + BS - 1) / BS;
+                for (int64_t u = 0; u < BLK && u < next_blocks; u++) {
+                    const int64_t block = next_g * head_stride + tables[next_b * width + u] * head_dim * BS;
+                    prefetch_lines((const char *)k_cache + block * esz, head_dim * BS * esz);
+                }
             }
             for (int64_t qi = 0; qi < group; qi += 2) {
                 const float *pa = scratch + qi * width * BS;
