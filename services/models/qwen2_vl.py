@@ -70,8 +70,18 @@ class Qwen2VLAdapter(FolderAdapter, Qwen2VLVideoMixin):
         self.video_token_id: int = int(config.video_token_id)
         self.tokens_per_second: float | None = getattr(vision, "tokens_per_second", None)  # Qwen2.5-VL only
         self.video_settings = self._read_video_settings()
+        self._pixels = None  # one-pass image pixels where the probe finds them equal to the processor's
         if image_processor is not None:
             self._check_processor_matches_model()
+            from services.models.qwen2_vl_pixels import probe_image_pixels  # PIL: the processor's side only
+
+            self._pixels = probe_image_pixels(
+                image_processor,
+                self.patch_size,
+                self.merge_size,
+                self.temporal_patch_size,
+                lambda width, height: self.image_tokens(width, height).grid_thw,
+            )
 
     # ----- accounting (router) -----
 
@@ -164,8 +174,13 @@ class Qwen2VLAdapter(FolderAdapter, Qwen2VLVideoMixin):
     # ----- vision (encoder) -----
 
     def preprocess(self, image: Image.Image) -> PixelInputs:
-        """Resize, normalise and patchify one RGB, already-oriented image with the saved processor."""
+        """Resize, normalise and patchify one RGB, already-oriented image as the saved processor does (in one pass
+        where its probe allowed: services/models/qwen2_vl_pixels.py)."""
         expected = self.image_tokens(image.width, image.height)
+        if self._pixels is not None and image.mode == "RGB":
+            _, grid_h, grid_w = expected.grid_thw
+            rows = self._pixels(image, grid_h * self.patch_size, grid_w * self.patch_size)
+            return PixelInputs(pixel_values=torch.from_numpy(rows), grid_thw=expected.grid_thw)
         out = self.image_processor(images=[image], return_tensors="pt")
         grid = tuple(int(v) for v in out["image_grid_thw"][0].tolist())
         if grid != expected.grid_thw:
