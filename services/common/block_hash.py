@@ -81,12 +81,20 @@ def extend_block_hashes(
         return hashes
     packed = _packed(token_ids[first * block_size : full * block_size])  # every new block's ids packed at once
     width = 4 * block_size
+    # `_hash_packed`'s layout with its constant fields made once: a parent is always a 32-byte digest, a block is
+    # `width` bytes, and a block with no media has no keys and (past block 0) an empty salt
+    parent_length, block_length, no_keys = struct.pack("<Q", 32), struct.pack("<Q", width), struct.pack("<Q", 0)
+    salt_first, salt_none = _field(cache_salt.encode()), _field(b"")
+    parent = hashes[-1] if hashes else ROOT_HASH
     for index in range(first, full):
-        start, end = index * block_size, (index + 1) * block_size
-        parent = hashes[-1] if hashes else ROOT_HASH
-        keys = block_extra_keys(start, end, media)
         block = packed[(index - first) * width : (index - first + 1) * width]
-        hashes.append(_hash_packed(parent, block, keys, cache_salt if index == 0 else ""))
+        keys = block_extra_keys(index * block_size, (index + 1) * block_size, media) if media else ()
+        if keys:
+            parent = _hash_packed(parent, block, keys, cache_salt if index == 0 else "")
+        else:
+            salt = salt_first if index == 0 else salt_none
+            parent = hashlib.sha256(b"".join((parent_length, parent, block_length, block, no_keys, salt))).digest()
+        hashes.append(parent)
     return hashes
 
 

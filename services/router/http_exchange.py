@@ -42,14 +42,35 @@ class ClientGone(Exception):
 
 
 class EventStream(StreamingResponse):
-    """Server-sent events; the body generator is closed on every exit, a dropped client included."""
+    """Server-sent events; the body generator is closed on every exit, a dropped client included.
+
+    While the events go out, a task of its own waits for the client to leave and then cancels the sending (which
+    closes the generator, so the generation is cancelled and its blocks freed): Starlette's `StreamingResponse`
+    runs the same two through an anyio task group, a cancel scope and a task more, on every response."""
 
     media_type = "text/event-stream"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sending = asyncio.current_task()
+        assert sending is not None
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            sending.cancel()
+
+        watcher = asyncio.ensure_future(watch())
         try:
-            await super().__call__(scope, receive, send)
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not gone:
+                raise  # the server is stopping: not ours to swallow
+            sending.uncancel()
         finally:
+            watcher.cancel()
             await self.body_iterator.aclose()
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from services.common.block_hash import (
     ROOT_HASH,
     ExtraKey,
@@ -67,3 +70,27 @@ def test_same_in_another_process() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == prompt_block_hashes(TOKENS, 16, [MediaSpan("m", 3, 5)], "s")[-1].hex()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 2**32 - 1), max_size=200),
+    block_size=st.sampled_from([1, 3, 16, 64]),
+    spans=st.lists(st.tuples(st.integers(0, 200), st.integers(1, 40)), max_size=3),
+    salt=st.sampled_from(["", "tenant-a"]),
+    done=st.integers(0, 5),
+)
+def test_every_hash_is_the_chain_of_hash_block(
+    tokens: list[int], block_size: int, spans: list[tuple[int, int]], salt: str, done: int
+) -> None:
+    """The batched path (constants made once per call, blocks without media hashed inline) gives exactly the bytes of
+    `hash_block` chained block by block, from scratch or extending a prefix already hashed."""
+    media = [MediaSpan(f"m{i}", offset, length) for i, (offset, length) in enumerate(sorted(spans))]
+    expected, parent = [], ROOT_HASH
+    for index in range(len(tokens) // block_size):
+        start, end = index * block_size, (index + 1) * block_size
+        parent = hash_block(parent, tokens[start:end], block_extra_keys(start, end, media), salt if index == 0 else "")
+        expected.append(parent)
+    assert prompt_block_hashes(tokens, block_size, media, salt) == expected
+    prefix = expected[: min(done, len(expected))]
+    assert extend_block_hashes(list(prefix), tokens, block_size, media, salt) == expected
