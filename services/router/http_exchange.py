@@ -57,8 +57,7 @@ class EventStream(StreamingResponse):
 
         async def watch() -> None:
             nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
+            await _disconnected(receive)
             gone = True
             sending.cancel()
 
@@ -74,8 +73,9 @@ class EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
+async def _disconnected(receive: Receive) -> None:
+    """Return when the client has gone (uvicorn's `http.disconnect`), the request's body read or not."""
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
@@ -92,7 +92,7 @@ async def guarded(request: Request, work: Awaitable[T], timeout_s: float) -> T:
 
     async def watch() -> None:
         nonlocal gone
-        await _disconnected(request)
+        await _disconnected(request.receive)
         gone = True
         caller.cancel()
 
