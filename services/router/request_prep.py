@@ -1,8 +1,9 @@
 """Everything the router does to a request before placing it: limits, media, prompt, token counts.
 
-CPU-only and bounded: header probes, tokenization and hashing run in a thread so the event loop
-keeps serving, but for short text with small images (`_is_small`), which costs less than the hop; URL media is fetched first (async) through the safe fetcher when enabled; a structured-output
-constraint is checked, then compiled on its own thread within a time bound (structured.py).
+CPU-only and bounded: header probes, tokenization and hashing run in a thread so the event loop keeps serving,
+but for short text with small images (`_is_small`), where they cost less than the hop; URL media is fetched first
+(async) through the safe fetcher when enabled; a structured-output constraint is checked, then compiled on its own
+thread within a time bound (structured.py).
 """
 
 from __future__ import annotations
@@ -80,10 +81,10 @@ def with_tools_turn(request: generation_pb2.GenerateRequest) -> generation_pb2.G
 
 
 INLINE_TEXT_CHARS = 8192
-"""Requests of up to this many text characters are prepared on the event loop itself..."""
+"""The most text characters of a request prepared on the event loop itself (`_is_small`)."""
 INLINE_IMAGE_BYTES = 256 << 10
-"""...when their images (inline bytes or data: URLs, no video) add up to at most this much: decoding a data: URL,
-probing a header and hashing ~100 KB cost less than the hop to a thread and back."""
+"""The most image bytes of such a request (inline or data: URLs, as decoded; no video): decoding a data: URL, probing
+a header and hashing ~100 KB cost less than the hop to a thread and back."""
 
 
 def _is_small(request: generation_pb2.GenerateRequest) -> bool:
