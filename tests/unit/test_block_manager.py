@@ -1,5 +1,6 @@
 """Block manager properties: random allocate / compute / append / free / abort never leak or double free,
-ref counts match the block tables, and a prefix-cache hit always serves the right tokens."""
+ref counts match the block tables, and a prefix-cache hit (its copied prompt tail included) always serves the right
+tokens."""
 
 from __future__ import annotations
 
@@ -47,19 +48,26 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), chunk=st.integers(1, 9))
     def compute(self, data: st.DataObject, chunk: int) -> None:
         seq = data.draw(st.sampled_from(sorted(self.live.values(), key=request_id)))
-        hit = self.bm.find_prefix(seq) if not seq.block_table else None
+        hit = self.bm.find_prefix(seq, tail=True) if not seq.block_table else None
         start = hit.num_tokens if hit else seq.num_computed_tokens
         num = min(chunk, seq.num_tokens - start)
         if num <= 0 or not self.bm.can_allocate(seq, start + num, hit):
             return
         self.bm.allocate(seq, start + num, hit)
         if hit:
+            if hit.tail_block is not None:  # the engine copies the whole block before the step
+                source, destination = hit.tail_block, seq.block_table[len(hit.block_ids)]
+                copied = {i: self.kv.get(source * BLOCK + i) for i in range(BLOCK)}
+                for i, token in copied.items():
+                    self.kv[destination * BLOCK + i] = token
             seq.num_computed_tokens = hit.num_tokens
-            self._check_content(seq)  # the hit blocks hold exactly this sequence's tokens
+            self._check_content(seq)  # the hit blocks (and copied tail) hold exactly this sequence's tokens
         for i in range(start, start + num):  # the "model" writes K/V of each computed token
             self.kv[seq.block_table[i // BLOCK] * BLOCK + i % BLOCK] = seq.token_ids[i]
         seq.num_computed_tokens = start + num
         self.bm.cache_full_blocks(seq)
+        if start < seq.num_prompt_tokens <= seq.num_computed_tokens:  # as the scheduler's update
+            self.bm.cache_prompt_tail(seq)
 
     @precondition(lambda self: any(s.num_computed_tokens == s.num_tokens for s in self.live.values()))
     @rule(data=st.data(), token=st.integers(0, 3))
@@ -108,6 +116,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert [self.kv[block_id * BLOCK + i] for i in range(BLOCK)] == block.token_ids
 
     @invariant()
+    def published_tails_hold_their_tokens(self) -> None:
+        for key, block_id in self.bm.tail_to_block.items():
+            tokens = key[1]
+            assert self.bm.blocks[block_id].tail_key == key
+            assert [self.kv.get(block_id * BLOCK + i) for i in range(len(tokens))] == list(tokens)
+
+    @invariant()
     def computed_tokens_are_in_place(self) -> None:
         for seq in self.live.values():
             self._check_content(seq)
@@ -153,6 +168,37 @@ def test_freed_cached_blocks_are_reused_then_evicted_oldest_first() -> None:
     assert bm.find_prefix(again).num_tokens == 8
     bm.allocate(make_seq("y", [60] * 4), 4)  # then the newest-freed full block: the end of the prefix
     assert bm.find_prefix(again).num_tokens == 4
+
+
+def test_an_exact_repeat_takes_the_prompts_last_block_and_computes_one_token() -> None:
+    bm = BlockManager(8, BLOCK)
+    first = make_seq("a", list(range(7)))  # a full block and three tokens
+    bm.allocate(first, 7)
+    first.num_computed_tokens = 7
+    bm.cache_full_blocks(first)
+    bm.cache_prompt_tail(first)
+    again = make_seq("b", list(range(7)))
+    assert bm.find_prefix(again).num_tokens == 4  # without tails: block-granular
+    hit = bm.find_prefix(again, tail=True)
+    assert (hit.num_tokens, hit.block_ids, hit.tail_block) == (6, first.block_table[:1], first.block_table[1])
+    other_end = make_seq("c", [0, 1, 2, 3, 4, 5, 9])
+    assert bm.find_prefix(other_end, tail=True).tail_block is None
+    salted = make_seq("d", list(range(3)), salt="tenant-2")  # block 0's tail carries the salt
+    plain = make_seq("e", list(range(3)))
+    bm.allocate(plain, 3)
+    plain.num_computed_tokens = 3
+    bm.cache_prompt_tail(plain)
+    assert bm.find_prefix(make_seq("f", list(range(3))), tail=True).tail_block == plain.block_table[0]
+    assert bm.find_prefix(salted, tail=True).tail_block is None
+    source = first.block_table[1]
+    bm.deallocate(first)
+    bm.allocate(again, 7, hit)
+    assert again.block_table[1] != source  # a block of its own, the tail's slots copied into it
+    assert bm.blocks[source].ref_count == 0  # the source stays free, still published
+    assert bm.find_prefix(make_seq("g", list(range(7))), tail=True).tail_block == source
+    while bm.num_free_blocks:  # taking the freed source for new tokens unpublishes it
+        bm.allocate(make_seq(f"x{bm.num_free_blocks}", [50] * 4), 4)
+    assert bm.find_prefix(make_seq("h", list(range(7))), tail=True).tail_block is None
 
 
 def test_token_check_guards_hash_collisions() -> None:

@@ -77,11 +77,38 @@ def test_a_prefix_hits_last_chunk_goes_through_the_decode_kernel_and_equals_gene
         return kernel(q, keys, values, tables, lengths, scale)
 
     engine.runner.backend.decode_kernel = spy
+    engine.scheduler.block_manager.tail_to_block.clear()  # as if its last block had been evicted: it is computed
     hit = run_one(engine, prompt, "again")
     tail = len(prompt.token_ids) - hit.cached_tokens
     assert 1 < tail <= engine.config.block_size
     assert chunks and all(c == list(range(hit.cached_tokens + 1, hit.cached_tokens + tail + 1)) for c in chunks)
     assert hit.tokens == reference(tiny_model_dir, prompt, GREEDY.max_tokens)
+
+
+def test_an_exact_repeat_copies_its_prompts_last_block_and_equals_generate(
+    loaded: tuple[Any, Any], tiny_model_dir: Path
+) -> None:
+    """A repeat of a computed prompt takes its full blocks and its partial last block from the cache, the partial
+    one copied into a block of its own (the first request still holds and writes the source): one token computed,
+    and both requests' tokens equal `generate`'s."""
+    adapter, model = loaded
+    prompt = build_prompt(adapter, model, [LONG, image(448, 448, 14), "what is shown here, and why?"])
+    assert len(prompt.token_ids) % 16 > 1
+    engine = make_engine(loaded)
+    for mm_hash, tensor in prompt.embeddings.items():
+        engine.provide_embedding(mm_hash, tensor)
+    engine.add_request(prompt.request("first", GREEDY))
+    results: dict[str, Result] = {}
+    while len(results.get("first", Result()).tokens) < 3:
+        collect(engine.step(), results)
+    engine.add_request(prompt.request("again", GREEDY))
+    collect(engine.step(), results)
+    assert [c.num_tokens for c in engine.runner.last_chunks if c.seq.request_id == "again"] == [1]
+    drain(engine, results)
+    assert results["again"].cached_tokens == len(prompt.token_ids) - 1
+    expected = reference(tiny_model_dir, prompt, GREEDY.max_tokens)
+    assert results["first"].tokens == expected
+    assert results["again"].tokens == expected
 
 
 def test_half_aborted_at_random_points_return_everything(loaded: tuple[Any, Any]) -> None:

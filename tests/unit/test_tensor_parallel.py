@@ -26,7 +26,18 @@ from services.models.registry import load_adapter
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingOptions
-from tests.engine_support import Prompt, backend_config, build_prompt, drain, image, mixed_workload, run_workload
+from tests.engine_support import (
+    Prompt,
+    Result,
+    backend_config,
+    build_prompt,
+    collect,
+    drain,
+    image,
+    mixed_workload,
+    reference,
+    run_workload,
+)
 from tests.tp_support import record_logits, tiny_variant
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -184,6 +195,28 @@ def test_tp2_concurrent_greedy_equals_generate(
     results = run_workload(engine_over(tp2[name], budget, caching), workloads[name])
     if caching:
         assert any(r.cached_tokens > 0 for r in results.values())
+
+
+def test_tp2_exact_repeat_copies_its_last_block_on_every_rank(
+    tp2: Started, folders: dict[str, Path], workloads: dict[str, Any]
+) -> None:
+    """A repeat of a prompt while the first still decodes: its last partial block is copied from the first's on
+    both ranks (the step message carries the pair), one token is computed, and both equal `generate`."""
+    prompt, _, _ = workloads["qwen2-vl"][3]  # an image and text
+    assert len(prompt.token_ids) % 16 > 1  # its last block partial: more than the one token to compute in it
+    engine = engine_over(tp2["qwen2-vl"], 64, True)
+    for mm_hash, tensor in prompt.embeddings.items():
+        engine.provide_embedding(mm_hash, tensor)
+    sampling = SamplingOptions(max_tokens=8)
+    engine.add_request(prompt.request("first", sampling))
+    results: dict[str, Result] = {}
+    while len(results.get("first", Result()).tokens) < 2:
+        collect(engine.step(), results)
+    engine.add_request(prompt.request("again", sampling))
+    drain(engine, results)
+    assert results["again"].cached_tokens == len(prompt.token_ids) - 1
+    expected = reference(folders["qwen2-vl"], prompt, 8)
+    assert results["first"].tokens == results["again"].tokens == expected
 
 
 def test_closing_an_engine_ends_its_ranks(tp2: Started) -> None:

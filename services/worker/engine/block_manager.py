@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.block_hash import ROOT_HASH, ExtraKey, block_extra_keys
 from services.worker.engine.sequence import Sequence
+
+TailKey = tuple[bytes, tuple[int, ...], tuple[ExtraKey, ...], str]
+"""A prompt's last (partial) block: the hash of the full blocks before it, its tokens, the media keys overlapping it
+and the cache salt when it is block 0 (``block_hash``'s fields, kept whole: exact within one engine)."""
 
 
 @dataclass
@@ -15,14 +20,17 @@ class Block:
     ref_count: int = 0
     block_hash: bytes | None = None
     token_ids: list[int] = field(default_factory=list)
+    tail_key: TailKey | None = None  # set while its first slots hold a computed prompt's last block (see below)
 
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """Cached blocks matching the start of a sequence, in order."""
+    """Cached blocks matching the start of a sequence, in order; with ``tail_block``, the block whose first slots
+    hold the tokens after them up to ``num_tokens`` (copied into the sequence's own block before the step runs)."""
 
     block_ids: list[int]
     num_tokens: int
+    tail_block: int | None = None
 
 
 class BlockManager:
@@ -33,6 +41,13 @@ class BlockManager:
     freed); ``num_refs`` is the sum of all ref counts. ``hash_to_block`` maps a hash to a block that
     carries that hash and whose ``token_ids`` are that block's tokens; a free block with a hash is a
     cached block, reusable until it is the oldest free block and gets taken for new tokens.
+
+    Prompt tails: a computed prompt's last block, partial or full, is published under its `TailKey`
+    (``cache_prompt_tail``) in ``tail_to_block``. The block's slots before the prompt's end never change while
+    its sequence holds it (its later slots take generated tokens) nor while it lies free; taking it for new
+    tokens (eviction) unpublishes it. A sequence whose every full block hits and whose last block's key is
+    published copies those slots instead of computing them (``find_prefix(seq, tail=True)``): an exact repeat of
+    a prompt computes one token, not the up to 16 of its last block.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
@@ -43,6 +58,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: dict[int, None] = dict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[bytes, int] = {}
+        self.tail_to_block: dict[TailKey, int] = {}
         self.num_refs = 0
 
     @property
@@ -57,17 +73,23 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return len(self.blocks) - len(self.free_block_ids)
 
-    def find_prefix(self, seq: Sequence) -> PrefixHit:
-        """Longest run of cached blocks equal to the sequence's first blocks, keeping one token to compute."""
+    def find_prefix(self, seq: Sequence, tail: bool = False) -> PrefixHit:
+        """Longest run of cached blocks equal to the sequence's first blocks, keeping one token to compute; with
+        ``tail``, past a hit on every full block, the published last block of the same tokens as well."""
         if not self.enable_prefix_caching:
             return PrefixHit([], 0)
-        max_blocks = min((seq.num_tokens - 1) // self.block_size, len(seq.block_hashes))
+        last = (seq.num_tokens - 1) // self.block_size  # the block of the token left to compute
+        max_blocks = min(last, len(seq.block_hashes))
         block_ids = []
         for index in range(max_blocks):
             block_id = self.hash_to_block.get(seq.block_hashes[index])
             if block_id is None or self.blocks[block_id].token_ids != seq.block_tokens(index):
                 break
             block_ids.append(block_id)
+        if tail and len(block_ids) == last and seq.num_tokens - 1 > last * self.block_size:
+            tail_block = self.tail_to_block.get(self._tail_key(seq, seq.num_tokens))
+            if tail_block is not None:
+                return PrefixHit(block_ids, seq.num_tokens - 1, tail_block)
         return PrefixHit(block_ids, len(block_ids) * self.block_size)
 
     def num_new_blocks(self, seq: Sequence, num_tokens: int, hit: PrefixHit | None = None) -> int:
@@ -122,6 +144,23 @@ class BlockManager:
             self.hash_to_block[block.block_hash] = block.block_id
         seq.num_registered_blocks = max(num_full, seq.num_registered_blocks)
 
+    def cache_prompt_tail(self, seq: Sequence) -> None:
+        """Publish the last block of ``seq``'s prompt, whose tokens are all computed now."""
+        if not self.enable_prefix_caching or seq.num_computed_tokens < seq.num_prompt_tokens:
+            return
+        index = (seq.num_prompt_tokens - 1) // self.block_size
+        block = self.blocks[seq.block_table[index]]
+        block.tail_key = self._tail_key(seq, seq.num_prompt_tokens)
+        self.tail_to_block[block.tail_key] = block.block_id
+
+    def _tail_key(self, seq: Sequence, end: int) -> TailKey:
+        """The `TailKey` of tokens ``[start of the block of token end - 1, end)`` of ``seq``."""
+        index = (end - 1) // self.block_size
+        start = index * self.block_size
+        parent = seq.block_hashes[index - 1] if index else ROOT_HASH
+        keys = tuple(block_extra_keys(start, end, seq.media)) if seq.media else ()
+        return parent, tuple(seq.token_ids[start:end]), keys, seq.cache_salt if index == 0 else ""
+
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
@@ -135,3 +174,7 @@ class BlockManager:
             del self.hash_to_block[block.block_hash]
         block.block_hash = None
         block.token_ids = []
+        if block.tail_key is not None:
+            if self.tail_to_block.get(block.tail_key) == block_id:
+                del self.tail_to_block[block.tail_key]
+            block.tail_key = None

@@ -206,6 +206,8 @@ class Engine:
         start = self._tokens_at or now
         self._tokens_at = None
         scheduled = self.scheduler.schedule(spent_s=now - start)
+        if scheduled.block_copies:
+            self.runner.copy_blocks(scheduled.block_copies)
         if not scheduled.chunks:
             if self.awaiting_grammar:
                 concurrent.futures.wait([s.grammar.compiling for s in self.awaiting_grammar], GRAMMAR_POLL_S)

@@ -1,4 +1,5 @@
-"""The worker side of KV transfer: a request's blocks of every layer copied out of the pool, or written into it.
+"""The worker side of KV transfer: a request's blocks of every layer copied out of the pool, or written into it, or
+copied from block to block inside it.
 
 The copy is the pool's own layout (`attention/kv_cache.py`), blocks selected along its block dimension: nothing is
 repacked, so a decode engine takes the bytes only from a prefill engine of the same `KVLayout`. Out of the pool,
@@ -38,3 +39,14 @@ def write_blocks(kv: KVCache, block_ids: list[int], keys: torch.Tensor, values: 
     for layer in range(len(kv.keys)):
         kv.keys[layer].index_copy_(dim, index, keys[layer])
         kv.values[layer].index_copy_(dim, index, values[layer])
+
+
+def copy_blocks(kv: KVCache, pairs: list[tuple[int, int]]) -> None:
+    """Copy each ``(source, destination)`` block's keys and values in every layer (a pair of one block is a
+    no-op); sources are read before any destination is written."""
+    dim = block_dim(kv.layout)
+    device = kv.keys[0].device
+    sources = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
+    destinations = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
+    for layer in (*kv.keys, *kv.values):
+        layer.index_copy_(dim, destinations, layer.index_select(dim, sources))

@@ -29,6 +29,7 @@ from services.worker.engine.cuda_graphs import DecodeGraphs
 from services.worker.engine.decode_batch import DecodeBatch
 from services.worker.engine.embeddings import EmbeddingPool
 from services.worker.engine.host_device import HostDevice
+from services.worker.engine.kv_copy import copy_blocks
 from services.worker.engine.layer_kernel import load_layer_kernel
 from services.worker.engine.memory import kv_budget, profile_cuda
 from services.worker.engine.sampler import filter_top_k_top_p
@@ -182,6 +183,11 @@ class ModelRunner:
         prompt = self.adapter.prompt_positions(None, seq.token_ids[:original], seq.media)
         tail = self.adapter.decode_positions(original, seq.max_num_tokens - original, prompt.rope_delta)
         seq.positions = torch.cat([prompt.positions, tail], dim=1).tolist()
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy ``(source, destination)`` blocks of the KV pool in every layer (before the step that reads them)."""
+        copy_blocks(self.kv, pairs)
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], embeddings: EmbeddingPool) -> RunOutput:

@@ -34,12 +34,14 @@ def _chunk(seq: Sequence, start: int, num_tokens: int) -> ScheduledChunk:
 
 @dataclass
 class SchedulerOutput:
-    """One step's chunks, the sequences preempted for it, and the prefill budget the latency target chose
-    (None when none was consulted: no target, no decode running, or no prefill waiting)."""
+    """One step's chunks, the sequences preempted for it, the prefill budget the latency target chose (None when
+    none was consulted: no target, no decode running, or no prefill waiting), and the ``(source, destination)``
+    blocks to copy before the step runs (prompt tails taken from the cache, block_manager.py)."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     itl_budget: int | None = None
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -170,13 +172,16 @@ class Scheduler:
         return prefill
 
     def update(self, out: SchedulerOutput) -> None:
-        """After the model ran: the scheduled tokens are computed; publish newly full blocks."""
+        """After the model ran: the scheduled tokens are computed; publish newly full blocks and the last block of
+        a prompt computed to its end."""
         size = self.block_manager.block_size
         for chunk in out.chunks:
             seq = chunk.seq
             seq.num_computed_tokens = chunk.start + chunk.num_tokens
             if seq.num_computed_tokens // size > seq.num_registered_blocks:
                 self.block_manager.cache_full_blocks(seq)
+            if chunk.start < seq.num_prompt_tokens <= seq.num_computed_tokens:
+                self.block_manager.cache_prompt_tail(seq)
 
     def _admit_waiting(self, budget: int, prefill: int, out: SchedulerOutput) -> None:
         admit_unreserved = True
@@ -191,7 +196,7 @@ class Scheduler:
                 if not self.ledger.reserve(seq.seq_id, seq.reserve_blocks):
                     admit_unreserved = False  # first come first served among unreserved requests
                     continue
-            hit = self.block_manager.find_prefix(seq)
+            hit = self.block_manager.find_prefix(seq, tail=True)
             num_new = self._num_new_tokens(seq, hit.num_tokens, budget, prefill)
             if num_new == 0:
                 continue  # its first uncached tokens wait for an embedding
@@ -201,6 +206,8 @@ class Scheduler:
             if seq.shared_blocks and not self._take_shared(seq, hit):
                 continue  # the shared blocks were freed and the ledger cannot cover them now
             self.block_manager.allocate(seq, num_tokens, hit)
+            if hit.tail_block is not None:
+                out.block_copies.append((hit.tail_block, seq.block_table[len(hit.block_ids)]))
             seq.num_computed_tokens = hit.num_tokens
             if not seq.prefix_looked_up:
                 seq.num_cached_tokens = hit.num_tokens

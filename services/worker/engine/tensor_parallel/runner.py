@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class StepMessage:
     """A laid-out step as the other ranks need it: its ints and shape, without the scheduler's chunks; the media
-    rows' offsets and row counts (the rows themselves follow by broadcast)."""
+    rows' offsets and row counts (the rows themselves follow by broadcast); the KV blocks to copy before it."""
 
     num_tokens: int
     ints: list[int]
@@ -35,12 +35,13 @@ class StepMessage:
     num_decodes: int
     max_context: int
     media: list[tuple[int, int]]
+    block_copies: list[tuple[int, int]]
 
     @classmethod
-    def of(cls, step: StepInput) -> StepMessage:
+    def of(cls, step: StepInput, block_copies: list[tuple[int, int]]) -> StepMessage:
         media = [(p.offset, int(p.embedding.shape[0])) for p in step.placed]
         return cls(step.num_tokens, step.ints, step.sample_rows, step.sample_at, step.layout, step.padding,
-                   step.num_decodes, step.max_context, media)  # fmt: skip
+                   step.num_decodes, step.max_context, media, block_copies)  # fmt: skip
 
     def step(self, placed: list[PlacedEmbedding]) -> StepInput:
         return StepInput(self.num_tokens, [], [], self.sample_rows, placed, self.ints, self.padding, self.layout,
@@ -100,6 +101,8 @@ class ShardRunner(ModelRunner):
             message = channel.receive(alive)
             if message is None or message == STOP:
                 return
+            if message.block_copies:
+                self.copy_blocks(message.block_copies)
             self.forward(message.step(self.receive_media(message)))
 
 
@@ -111,6 +114,7 @@ class LeadRunner(ShardRunner):
 
     def __init__(self, adapter: Any, model: torch.nn.Module, config: EngineConfig, ranks: Any) -> None:
         self.ranks = ranks
+        self.block_copies: list[tuple[int, int]] = []  # copied here since the last step's message
         super().__init__(adapter, model, config, ranks.group)
 
     def prepare(self, seq: Any) -> None:
@@ -121,6 +125,11 @@ class LeadRunner(ShardRunner):
 
             raise EngineGone(f"tensor-parallel ranks lost ({self.ranks.lost_cause})")
         super().prepare(seq)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """As `ModelRunner.copy_blocks`; the other ranks copy the same pairs before the next step (its message)."""
+        super().copy_blocks(pairs)
+        self.block_copies += pairs
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], embeddings: EmbeddingPool) -> RunOutput:
@@ -133,7 +142,8 @@ class LeadRunner(ShardRunner):
         self.backend.lay_out(step, self.graphs.table_width if bucket is not None else None)
         step.close()
         try:
-            self.ranks.channel.send(StepMessage.of(step))
+            copies, self.block_copies = self.block_copies, []
+            self.ranks.channel.send(StepMessage.of(step, copies))
             if step.placed:
                 rows = [p.embedding.to(device=self.device, dtype=self.dtype) for p in step.placed]
                 self.group.broadcast(torch.cat(rows).contiguous())
