@@ -109,6 +109,9 @@ def test_an_exact_repeat_copies_its_prompts_last_block_and_equals_generate(
     expected = reference(tiny_model_dir, prompt, GREEDY.max_tokens)
     assert results["first"].tokens == expected
     assert results["again"].tokens == expected
+    state = engine.kv_state()
+    assert state.free_blocks == state.total_blocks and state.reserved_blocks == 0
+    assert engine.embedding_stats().pinned == 0
 
 
 def test_half_aborted_at_random_points_return_everything(loaded: tuple[Any, Any]) -> None:
