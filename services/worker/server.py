@@ -3,7 +3,8 @@
 Generate admits first: reserve + add run as one engine-thread command, so concurrent callers
 (several routers) can never over-admit; a refusal is RESOURCE_EXHAUSTED at once. Admitted
 requests enter the engine immediately; a task per media item fetches its embedding (pushed or
-cached) and hands it over, and the engine schedules media positions only once present. A
+cached) and hands it over, unless the engine still holds it from an earlier request
+(services/worker/held_embeddings.py); the engine schedules media positions only once present. A
 cancelled or failed stream aborts the request, which frees its blocks and reservation.
 A request of `sampling.n` choices streams each response for one choice (`index`); the stream
 ends once every choice finished. On SIGTERM the worker drains (`RunningWorker.drain`, worker/startup.py):
@@ -41,6 +42,7 @@ from services.worker.engine.request import KV_RECEIVE, KV_SEND, StepOutput
 from services.worker.engine.reservation import NeverFits
 from services.worker.engine_host.host import EngineHost, call_sinks
 from services.worker.engine_host.process_host import EngineGone
+from services.worker.held_embeddings import HeldEmbeddings
 from services.worker.kv_transfer import KVAssembler, KVPusher, is_failure, kv_transport, receive_dist_chunk
 from services.worker.messages import by_choice, engine_request, response
 from services.worker.metrics import WorkerMetrics
@@ -63,6 +65,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> None:
         self._host = host
         self._store = store
+        self._held = HeldEmbeddings(host, config.engine_config().embedding_buffer_bytes)
         self._config = config
         self._metrics = metrics
         self._dist = dist or DistReceiver.for_service(config.host, config.address, device=config.device)
@@ -190,9 +193,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             relay.bind(request.request_id, outputs)
         timeout = request.embedding_timeout_s or self._config.embedding_timeout_s
         media = [] if direction == KV_RECEIVE else request.media  # a remote prefill's embeddings go to the prefill
-        hashes = dict.fromkeys(m.mm_hash for m in media)  # an item of several spans (a video's frame groups): once
+        # an item of several spans (a video's frame groups) is fetched once; one the engine holds (admitted, so its
+        # engine has pinned it for this request), not at all
+        hashes = [h for h in dict.fromkeys(m.mm_hash for m in media) if not self._held.holds(h)]
         wait = self._metrics.embedding_wait_seconds.record
-        embeddings = EmbeddingFetches(hashes, self._store, self._host.provide_embedding, wait, outputs, timeout)
+        embeddings = EmbeddingFetches(hashes, self._store, self._held.provide, wait, outputs, timeout)
         kv_wait = None
         if direction == KV_RECEIVE:  # its prefill worker may die or stall: the reservation is not held forever
             kv_wait = asyncio.create_task(kv_deadline(outputs, self._config.kv_transfer_timeout_s))

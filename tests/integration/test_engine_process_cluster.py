@@ -1,7 +1,8 @@
-"""`EPD_ENGINE_PROCESS=on` through the whole cluster: the worker's engine runs in a child process of its own.
-With no encoder deployed, the router has the worker encode (the tower runs in the child too); greedy answers
-equal `generate`; killing the engine process ends the running stream with an error within seconds (no hang)
-and the worker exits with code 1, for its supervisor to restart it."""
+"""`EPD_ENGINE_PROCESS=on` through the whole cluster: the worker's engine runs in a child process of its own. With no
+encoder deployed, the router has the worker encode (the tower runs in the child too); greedy answers equal
+`generate`, also where the engine answers from embeddings it kept from an earlier request; killing the engine process
+ends the running stream with an error within seconds (no hang) and the worker exits with code 1, for its supervisor
+to restart it."""
 
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ def test_answers_equal_generate_with_the_tower_in_the_engine_process(
         for images, prompt in [
             ([media_factory.jpeg(1400, 1100, seed=1)], PROMPT),
             ([media_factory.png(64, 96, seed=5), media_factory.jpeg(150, 80, seed=6)], "Compare them."),
+            # the same two swapped: neither is under a cached prefix, and the engine holds both embeddings from the
+            # request before (the worker sends neither again)
+            ([media_factory.jpeg(150, 80, seed=6), media_factory.png(64, 96, seed=5)], "Compare them."),
             ([], "Hello there"),
         ]:
             answer = client.generate(user_request(prompt, images, max_tokens=MAX_TOKENS))

@@ -174,6 +174,29 @@ def test_the_tower_runs_in_the_child(process: EngineProcess, loaded: tuple[Any, 
     assert got.shape == want.shape and (got - want).abs().max().item() < 1e-5
 
 
+def test_a_kept_embedding_serves_later_requests_until_forgotten(
+    process: EngineProcess, loaded: tuple[Any, Any]
+) -> None:
+    """An embedding sent with `keep` serves a later request of the same image (a prompt that differs before it, so
+    the prefix cache does not cover it) without being sent again; once forgotten, a request waits for it."""
+    adapter, model = loaded
+    photo = image(120, 90, seed=11)
+    prompts = [build_prompt(adapter, model, [text, photo, "What is it?"]) for text in ("First", "Second", "Third")]
+    (mm_hash,) = prompts[0].embeddings
+    greedy = SamplingOptions(max_tokens=6, ignore_eos=True)
+    process.provide_embedding(mm_hash, prompts[0].embeddings[mm_hash], keep=True)
+    first = run(process, [prompts[0].request("k0", greedy)])  # ends before the next is admitted: nothing pins it
+    later = run(process, [prompts[1].request("k1", greedy)])
+    assert len(first["k0"].tokens) == len(later["k1"].tokens) == 6
+    process.forget_embedding(mm_hash)
+    waiting = Stream()
+    assert process.add_admitted(prompts[2].request("k2", greedy), waiting).result(timeout=30) is not None
+    assert not waiting.freed.wait(1.0) and waiting.tokens == []  # nothing past the image without its embedding
+    process.provide_embedding(mm_hash, prompts[2].embeddings[mm_hash])
+    assert waiting.freed.wait(60) and len(waiting.tokens) == 6
+    assert all_free(process)
+
+
 def test_a_start_up_failure_names_its_reason(tmp_path: Path) -> None:
     engine = EngineProcess(config(tmp_path / "no-model"))
     with pytest.raises(RuntimeError, match="the engine process failed to start: .*no-model"):

@@ -152,14 +152,19 @@ class Engine:
             raise ValueError(f"request {request.request_id!r}: a KV_RECEIVE request is admitted (reserved), not added")
         self._enqueue(self._choices(request), transfer)
 
-    def provide_embedding(self, mm_hash: str, tensor: torch.Tensor) -> None:
-        """An item's embedding ``[num_tokens, hidden]`` arrived; before or after its requests."""
+    def provide_embedding(self, mm_hash: str, tensor: torch.Tensor, keep: bool = False) -> None:
+        """An item's embedding ``[num_tokens, hidden]`` arrived; before or after its requests. ``keep``: held here
+        until ``forget_embedding``, for later requests of the same item (`EmbeddingPool`)."""
         for seq in self._sequences():
             rows = item_rows(seq.media, mm_hash)
             if rows:
                 check_rows(mm_hash, rows, seq.request_id, tensor, self.adapter.embedding_width)
-        self.embeddings.provide(mm_hash, tensor)
+        self.embeddings.provide(mm_hash, tensor, keep)
         self._stalled = False
+
+    def forget_embedding(self, mm_hash: str) -> None:
+        """An embedding provided with ``keep`` need not be held any longer (dropped once no request needs it)."""
+        self.embeddings.forget(mm_hash)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request (all its choices) and everything it holds; False if unknown."""

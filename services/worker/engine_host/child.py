@@ -19,7 +19,7 @@ import torch
 from services.worker.config import WorkerConfig
 from services.worker.engine.step_cost import StepTiming
 from services.worker.engine_host.fork import detach_from_parent
-from services.worker.engine_host.pipe import Abort, Admit, Embedding, Encode, Failed, Ready, Reply, Stop, Update
+from services.worker.engine_host.pipe import Abort, Admit, Embedding, Encode, Failed, Forget, Ready, Reply, Stop, Update
 from services.worker.engine_host.thread_host import EngineLoop
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,9 @@ class EngineChild:
             sink = functools.partial(self._collect, request_id)
             self.loop.add_admitted(message.request, sink).add_done_callback(functools.partial(self._reply, message))
         elif isinstance(message, Embedding):
-            self.loop.provide_embedding(message.mm_hash, message.tensor)
+            self.loop.provide_embedding(message.mm_hash, message.tensor, message.keep)
+        elif isinstance(message, Forget):
+            self.loop.forget_embedding(message.mm_hash)
         elif isinstance(message, Abort):
             self.loop.abort(message.request_id).add_done_callback(functools.partial(self._reply, message))
         elif isinstance(message, Encode):

@@ -1,7 +1,8 @@
 """What a worker and its engine process (`process_host.py`, `child.py`) say over their pipe.
 
-Down: `Admit`, `Embedding`, `Abort`, `Encode` (each call with a token its `Reply` carries back), `Stop`. Up: `Ready`
-or `Failed` once at start, a `Reply` per call, an `Update` per engine-loop iteration that changed something.
+Down: `Admit`, `Embedding`, `Forget`, `Abort`, `Encode` (each call with a token its `Reply` carries back), `Stop`.
+Up: `Ready` or `Failed` once at start, a `Reply` per call, an `Update` per engine-loop iteration that changed
+something.
 Tensors cross in shared memory (torch's reductions, registered by importing `torch.multiprocessing`).
 """
 
@@ -27,6 +28,12 @@ class Admit:
 class Embedding:
     mm_hash: str
     tensor: torch.Tensor
+    keep: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Forget:
+    mm_hash: str
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,7 @@ from services.worker.engine.step_cost import DEFAULT_PRIOR, StepTiming
 from services.worker.engine_host.child import child_main
 from services.worker.engine_host.fork import signals_blocked
 from services.worker.engine_host.host import Delivery, KVSnapshot, Sink, call_sinks
-from services.worker.engine_host.pipe import Abort, Admit, Embedding, Encode, Failed, Ready, Reply, Stop, Update
+from services.worker.engine_host.pipe import Abort, Admit, Embedding, Encode, Failed, Forget, Ready, Reply, Stop, Update
 
 log = logging.getLogger(__name__)
 
@@ -159,10 +159,14 @@ class EngineProcess:
             with self._lock:
                 self._sinks.pop(request_id, None)
 
-    def provide_embedding(self, mm_hash: str, tensor: torch.Tensor) -> None:
+    def provide_embedding(self, mm_hash: str, tensor: torch.Tensor, keep: bool = False) -> None:
         # host shared memory: a CUDA tensor's IPC handle would need the parent to hold it until the child is done
         with contextlib.suppress(OSError):  # the child is gone: its requests fail through their sinks
-            self._send(Embedding(mm_hash, _shareable(tensor)))
+            self._send(Embedding(mm_hash, _shareable(tensor), keep))
+
+    def forget_embedding(self, mm_hash: str) -> None:
+        with contextlib.suppress(OSError):
+            self._send(Forget(mm_hash))
 
     def abort(self, request_id: str) -> concurrent.futures.Future:
         """Drop the request here at once and in the engine; the future holds whether the engine knew it."""

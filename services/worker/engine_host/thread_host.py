@@ -81,8 +81,11 @@ class EngineLoop:
 
         self._commands.put(add)
 
-    def provide_embedding(self, mm_hash: str, tensor: Any) -> None:
-        self._commands.put(lambda: self._engine.provide_embedding(mm_hash, tensor))
+    def provide_embedding(self, mm_hash: str, tensor: Any, keep: bool = False) -> None:
+        self._commands.put(lambda: self._engine.provide_embedding(mm_hash, tensor, keep))
+
+    def forget_embedding(self, mm_hash: str) -> None:
+        self._commands.put(lambda: self._engine.forget_embedding(mm_hash))
 
     def abort(self, request_id: str) -> concurrent.futures.Future:
         """Drop the request and its sink; the future holds whether the engine knew it."""
