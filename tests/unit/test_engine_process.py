@@ -125,6 +125,10 @@ def test_refusals_and_aborts_drop_the_sink_and_free_the_blocks(process: EnginePr
     too_big = EngineRequest("big", [5] * 8, [], SamplingOptions(max_tokens=state.total_blocks * state.block_size))
     with pytest.raises(ValueError, match="needs 1025 KV blocks"):  # the engine's own error crosses over as itself
         process.add_admitted(too_big, Stream()).result(timeout=30)
+    empty = EngineRequest("empty", [], [], SamplingOptions(max_tokens=4))  # refused as the child prepares it
+    with pytest.raises(ValueError, match="has no prompt tokens"):
+        process.add_admitted(empty, Stream()).result(timeout=30)
+    assert "big" not in process._sinks and "empty" not in process._sinks
     hold = EngineRequest("hold", [5] * 8, [], SamplingOptions(max_tokens=(state.total_blocks - 2) * state.block_size))
     held = Stream()
     assert process.add_admitted(hold, held).result(timeout=30) is not None

@@ -106,13 +106,13 @@ class Engine:
 
     # ----- requests -----
 
-    def admit(self, request: EngineRequest) -> bool:
+    def admit(self, request: EngineRequest, prepared: list[Sequence] | None = None) -> bool:
         """The router's admission: reserve the blocks of all the request's choices and queue it, as one; False
         (nothing kept) when they do not fit now or the id is live. Raises ValueError as ``add_request`` does
-        (``NeverFits`` when the request could never fit this worker)."""
+        (``NeverFits`` when the request could never fit this worker). ``prepared``: `prepare`'s sequences for it."""
         if request.request_id in self.requests:
             return False
-        choices = self._choices(request)
+        choices = self._choices(request, prepared)
         needs = {seq.seq_id: seq.reserve_blocks for seq in choices}
         if not self.scheduler.ledger.reserve_many(needs):
             return False
@@ -347,15 +347,32 @@ class Engine:
     def _sequences(self) -> list[Sequence]:
         return [seq for choices in self.requests.values() for seq in choices]
 
-    def _choices(self, request: EngineRequest) -> list[Sequence]:
-        """The request's sequences, checked and prepared (positions, seeded generators); nothing kept yet."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request {request.request_id!r} is already running")
+    def prepare(self, request: EngineRequest) -> list[Sequence]:
+        """The request's sequences, checked on their own and prepared (positions, seeded generators): the part of an
+        admission that reads only what never changes in the engine, so any thread may run it while the engine
+        thread steps (the engine process's pipe reader does: docs/engine.md). ValueError for a malformed request,
+        ``NeverFits`` for one that could never fit this worker."""
         size, caching = self.config.block_size, self.config.enable_prefix_caching
         choices = request_choices(request, size, caching)
         first, sampling = choices[0], request.sampling
-        self._validate(first, request_blocks(first.num_prompt_tokens, sampling.max_tokens, sampling.n, size, caching))
+        check_request(first, self.adapter, self.max_model_len, self.vocab_size)
+        needed = request_blocks(first.num_prompt_tokens, sampling.max_tokens, sampling.n, size, caching)
+        projected = first.num_prompt_tokens + max(sampling.n, 1) * sampling.max_tokens
+        self.scheduler.ledger.check_fits(first.request_id, needed, projected)  # the ledger's limit never changes
         self.runner.prepare(first)
+        for seq in choices:
+            seq.positions = first.positions  # read-only: every choice has the same prompt and lengths
+            if seq.sampling.seed is not None:
+                seq.generator = torch.Generator(device=self.runner.device).manual_seed(seq.sampling.seed)
+        return choices
+
+    def _choices(self, request: EngineRequest, prepared: list[Sequence] | None = None) -> list[Sequence]:
+        """The request's sequences (``prepared`` by `prepare`, or prepared now), checked against the engine's state
+        (its id, known embeddings, a KV transfer, the constraint); nothing kept yet."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} is already running")
+        choices = prepared if prepared is not None else self.prepare(request)
+        first, sampling = choices[0], request.sampling
         for mm_hash in dict.fromkeys(item.mm_hash for item in first.media):
             known = self.embeddings.peek(mm_hash)
             if known is not None:
@@ -364,13 +381,9 @@ class Engine:
                 )
         if request.kv_transfer is not None:
             self.kv_connector.check(first, len(choices))
-        constraint = sampling.structured
-        for seq in choices:
-            seq.positions = first.positions  # read-only: every choice has the same prompt and lengths
-            if seq.sampling.seed is not None:
-                seq.generator = torch.Generator(device=self.runner.device).manual_seed(seq.sampling.seed)
-            if constraint is not None:
-                seq.grammar = self.structured.state(constraint)  # ValueError: a constraint known not to compile
+        if sampling.structured is not None:
+            for seq in choices:
+                seq.grammar = self.structured.state(sampling.structured)  # ValueError: known not to compile
         return choices
 
     def _enqueue(self, choices: list[Sequence], transfer: KVTransfer | None = None) -> None:
@@ -397,12 +410,6 @@ class Engine:
         choices.remove(seq)
         if not choices:
             del self.requests[seq.request_id]
-
-    def _validate(self, seq: Sequence, num_blocks: int) -> None:
-        """Checks on choice 0 (the others have the same prompt); ``num_blocks``: what all the choices reserve."""
-        check_request(seq, self.adapter, self.max_model_len, self.vocab_size)
-        projected = seq.num_prompt_tokens + max(seq.sampling.n, 1) * seq.sampling.max_tokens
-        self.scheduler.ledger.check_fits(seq.request_id, num_blocks, projected)
 
 
 def _stops_over_min_tokens(seqs: list[Sequence], options: list[SamplingOptions], mask: StepMask) -> None:

@@ -1,7 +1,8 @@
 """The engine process's side (`EngineProcess` starts it): load the model, run an `EngineLoop`, serve the pipe.
 
-Commands from the pipe go into the engine loop (a reader on the main thread); after each engine-loop iteration
-the engine thread sends what changed (`Update`); co-located encodes run on a thread of their own.
+Commands from the pipe go into the engine loop (a reader on the main thread, which also prepares each admission:
+its sequences, positions and checks, while the engine thread steps); after each engine-loop iteration the engine
+thread sends what changed (`Update`); co-located encodes run on a thread of their own.
 """
 
 from __future__ import annotations
@@ -59,9 +60,15 @@ class EngineChild:
 
     def _handle(self, message: Any) -> None:
         if isinstance(message, Admit):
+            try:  # here, beside the engine thread's step: that thread only checks its state, reserves and queues
+                prepared = self._engine.prepare(message.request)
+            except Exception as exc:  # a malformed request, or one that never fits: the engine's own errors
+                self._send(Reply(message.token, None, exc))
+                return
             request_id = message.request.request_id
             sink = functools.partial(self._collect, request_id)
-            self.loop.add_admitted(message.request, sink).add_done_callback(functools.partial(self._reply, message))
+            admitted = self.loop.add_admitted(message.request, sink, prepared)
+            admitted.add_done_callback(functools.partial(self._reply, message))
         elif isinstance(message, Embedding):
             self.loop.provide_embedding(message.mm_hash, message.tensor, message.keep)
         elif isinstance(message, Forget):

@@ -113,16 +113,16 @@ class EngineLoop:
         self._commands.put(run)
         return future
 
-    def add_admitted(self, request: Any, sink: Sink) -> concurrent.futures.Future:
+    def add_admitted(self, request: Any, sink: Sink, prepared: list | None = None) -> concurrent.futures.Future:
         """Reserve (every choice's blocks) and add in one engine-thread command (`engine.admit`: atomic with
-        respect to other admissions).
+        respect to other admissions); ``prepared``: `engine.prepare`'s sequences for it, made on another thread.
 
         The future's result is the admission time (worker clock; the sink is registered), None when refused;
         a request the engine rejects (ValueError) sets the exception and holds nothing.
         """
 
         def admit(engine: Any) -> float | None:
-            if not engine.admit(request):
+            if not engine.admit(request, prepared):
                 return None
             self._sinks[request.request_id] = sink
             return time.time()  # reserved, before the snapshot that follows this command
