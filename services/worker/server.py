@@ -65,7 +65,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> None:
         self._host = host
         self._store = store
-        self._held = HeldEmbeddings(host, config.engine_config().embedding_buffer_bytes)
+        self._held = HeldEmbeddings(host, config.embedding_buffer_bytes)
         self._config = config
         self._metrics = metrics
         self._dist = dist or DistReceiver.for_service(config.host, config.address, device=config.device)

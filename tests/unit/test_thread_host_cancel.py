@@ -30,7 +30,7 @@ class _IdleEngine:
     def kv_state(self) -> None:
         return None
 
-    def admit(self, request: SimpleNamespace) -> bool:
+    def admit(self, request: SimpleNamespace, prepared: list | None = None) -> bool:
         self.admitted.append(request.request_id)
         return True
 
