@@ -193,8 +193,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             relay.bind(request.request_id, outputs)
         timeout = request.embedding_timeout_s or self._config.embedding_timeout_s
         media = [] if direction == KV_RECEIVE else request.media  # a remote prefill's embeddings go to the prefill
-        # an item of several spans (a video's frame groups) is fetched once; one the engine holds (admitted, so its
-        # engine has pinned it for this request), not at all
+        # an item of several spans (a video's frame groups) is fetched once; one the engine holds (pinned now), never
         hashes = [h for h in dict.fromkeys(m.mm_hash for m in media) if not self._held.holds(h)]
         wait = self._metrics.embedding_wait_seconds.record
         embeddings = EmbeddingFetches(hashes, self._store, self._held.provide, wait, outputs, timeout)
