@@ -8,11 +8,11 @@ streams within the same timeout (services/router/startup.py). docs/reliability.m
 
 from __future__ import annotations
 
-import gc
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+from services.common.collector import FullCollections
 from services.common.config import ServiceConfig
 from services.encoder.config import EncoderConfig
 from services.router.config import RouterConfig
@@ -31,10 +31,16 @@ async def start_role(role: str, config: ServiceConfig) -> Callable[[], Awaitable
     # loop that streams tokens and answers admission waits up to this interval for it (default 5 ms).
     sys.setswitchinterval(0.001)
     stop = await _start(role, config)
-    # What start-up loaded (tokenizer, model code, protobuf descriptors) lives as long as the process:
-    # keep it out of the collector, so a full collection takes milliseconds, not a 200 ms pause.
-    gc.freeze()
-    return stop
+    # What start-up loaded (tokenizer, model code, protobuf descriptors) lives as long as the process: frozen out
+    # of the collector (a full collection over it paused the router ~200 ms), and full collections run when quiet.
+    collections = FullCollections()
+    collections.start()
+
+    async def stop_then_collector() -> None:
+        await stop()
+        collections.stop()
+
+    return stop_then_collector
 
 
 async def _start(role: str, config: ServiceConfig) -> Callable[[], Awaitable[None]]:

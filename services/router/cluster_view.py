@@ -27,6 +27,7 @@ from services.common.registry import Member, Registry, draining_role
 log = logging.getLogger(__name__)
 FORGET_AFTER_S = 600.0  # a worker missing this long is forgotten (addresses come and go)
 STALE_S = 1.0  # an encoder's heartbeat this old (5 intervals) is taken to have stopped: its backlog drains
+UNSENT_TTL_S = 30.0  # a booking whose Encode call never started (nor was taken back) stops counting after this
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class EncoderView:
     over_budget_ms: int = 0  # how far its queue's expected wait was past its budget (0: it admits)
     token_ms: float = 0.0  # its measured drain rate per encoder token (0: an encoder that does not publish one)
     budget_ms: int = 0  # the longest expected wait it admits
-    backlog_tokens: float = 0.0  # its queued encoder tokens, plus this router's bookings since (`_Backlog`)
+    backlog_tokens: float = 0.0  # its queued tokens, plus this router's bookings since (`_Backlog`) and unsent
 
     def past_budget_ms(self, tokens: float, pending: float = 0.0) -> int:
         """How far past its budget the encoder's expected wait would be with `tokens` more encoder tokens, as the
@@ -114,6 +115,7 @@ class ClusterView:
         self._encoders: list[Member] = []
         self._pending: list[_Pending] = []
         self._backlogs: dict[str, _Backlog] = {}  # encoder -> its backlog as this router reckons it
+        self._unsent: dict[str, dict[object, tuple[int, float]]] = {}  # encoder -> booking -> (tokens, expiry)
         self._absent: dict[str, float] = {}  # worker -> seconds missing from answered refreshes, in a row
         self._absence_watches: dict[str, dict[object, tuple[float, Callable[[], None]]]] = {}  # `on_absent`'s
         self._answered_at: float | None = None  # the previous refresh's time, when Redis answered it
@@ -259,12 +261,33 @@ class ClusterView:
         if backlog is not None:
             backlog.add(tokens, self._clock())
 
+    def note_booked(self, encoder: str, booking: object, tokens: int) -> None:
+        """This router booked `tokens` on `encoder` for `booking`, whose Encode call has not started (it waits for a
+        worker's blocks first): counted on the encoder until `note_unbooked`, whatever its heartbeats say (they count
+        only what reached it), or for `UNSENT_TTL_S` at most (a request that ended without either)."""
+        self._unsent.setdefault(encoder, {})[booking] = (tokens, self._clock() + UNSENT_TTL_S)
+
+    def note_unbooked(self, encoder: str, booking: object) -> int:
+        """`booking`'s tokens on `encoder` stop counting as unsent (its call starts, or it goes no further);
+        returns them (0: none were)."""
+        tokens, _ = self._unsent.get(encoder, {}).pop(booking, (0, 0.0))
+        return tokens
+
+    def _unsent_tokens(self, encoder: str, now: float) -> int:
+        booked = self._unsent.get(encoder)
+        if not booked:
+            return 0
+        for key in [key for key, (_, expiry) in booked.items() if expiry <= now]:
+            del booked[key]
+        return sum(tokens for tokens, _ in booked.values())
+
     def encoders(self) -> list[EncoderView]:
         now = self._clock()
         out = []
         for m in self._encoders:
             state = m.state
             backlog = self._backlogs.get(m.address)
+            unsent = self._unsent_tokens(m.address, now)
             out.append(
                 EncoderView(
                     m.address,
@@ -272,7 +295,7 @@ class ClusterView:
                     int(state.get("over_budget_ms", 0)),
                     token_ms=float(state.get("token_ms", 0.0)),
                     budget_ms=int(state.get("budget_ms", 0)),
-                    backlog_tokens=backlog.now(now) if backlog is not None else 0.0,
+                    backlog_tokens=(backlog.now(now) if backlog is not None else 0.0) + unsent,
                 )
             )
         return out

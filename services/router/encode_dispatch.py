@@ -57,10 +57,13 @@ class Failure:
     busy: str = ""  # the encoder's own words for its overload (no address: the client may see it)
 
 
-@dataclass
+@dataclass(eq=False)
 class Booking:
     """The encoder tokens `check_room` counted on each owner's queue for one request, until an owner refuses
-    them."""
+    them. Until the Encode call to an owner starts they count as unsent (`ClusterView.note_booked`): the request
+    may wait for a worker's blocks first, and the owner's heartbeats count only what reached it (before, each
+    heartbeat forgot them, and in an open-loop overload the router booked past the owner's time budget into its
+    count ceilings: those requests then waited ~2 s for a slot and were refused)."""
 
     tokens: dict[str, int] = field(default_factory=dict)
 
@@ -201,7 +204,7 @@ class EncodeDispatcher:
         groups = group_by_encoder([item.ref.mm_hash for item in items], [e.address for e in encoders])
         booking = Booking({owner: sum(tokens[i] for i in indexes) for owner, indexes in groups.items()})
         for owner, count in booking.tokens.items():
-            self._view.note_sent(owner, count)
+            self._view.note_booked(owner, booking, count)
         self._recent.extend(tokens)
         return booking
 
@@ -209,8 +212,14 @@ class EncodeDispatcher:
         """Take back what `booking` counted (on `address` only, when given): those items were not admitted."""
         for owner in [address] if address is not None else list(booking.tokens):
             count = booking.tokens.pop(owner, 0)
-            if count:
-                self._view.note_sent(owner, -count)
+            if count and not self._view.note_unbooked(owner, booking):
+                self._view.note_sent(owner, -count)  # its call had started: counted until the next heartbeat
+
+    def _sending(self, booking: Booking, address: str) -> None:
+        """The Encode call to `address` starts: what `booking` counted there is now the encoder's to publish."""
+        count = self._view.note_unbooked(address, booking)
+        if count:
+            self._view.note_sent(address, count)
 
     async def encode(
         self, request_id: str, refs: list[common_pb2.MediaRef], data: list[bytes], worker: str, deadline: float
@@ -232,6 +241,22 @@ class EncodeDispatcher:
         report = EncodeReport()
         if not items:
             return report
+        try:
+            return await self._encode_all(request_id, items, worker, deadline, booking, report)
+        finally:
+            for owner in list(booking.tokens):  # an owner never called (failed over, or cancelled first)
+                if self._view.note_unbooked(owner, booking):
+                    booking.tokens.pop(owner, None)
+
+    async def _encode_all(
+        self,
+        request_id: str,
+        items: list[encoder_pb2.EncodeItem],
+        worker: str,
+        deadline: float,
+        booking: Booking,
+        report: EncodeReport,
+    ) -> EncodeReport:
         start = time.perf_counter()
         encoders = self._encoders()
         groups = group_by_encoder([item.ref.mm_hash for item in items], encoders) if encoders else {worker: []}
@@ -309,6 +334,7 @@ class EncodeDispatcher:
         if remaining <= 0:
             return Failure(f"{address}: deadline")
         request.deadline_s = remaining
+        self._sending(booking, address)
         try:
             reply = await encoder_pb2_grpc.EncoderStub(self._channel(address)).Encode(request, timeout=remaining)
             note_encoder(address)

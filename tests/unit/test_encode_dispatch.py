@@ -142,11 +142,13 @@ def items(n: int, size: int = 4) -> list[encoder_pb2.EncodeItem]:
 
 def test_the_router_counts_what_it_booked_since_the_encoders_heartbeat() -> None:
     """An encoder publishing its queue, drain rate and budget is judged as it judges itself, with the tokens this
-    router booked on it since that heartbeat added (each request's at once, so requests checked meanwhile see
-    them): a burst is refused at the router once its own bookings would pass the budget, before any worker or
-    encoder call; a booking given back no longer counts, the next heartbeat (which counts admitted items itself)
-    replaces them, and without heartbeats the backlog drains at one second a second."""
+    router booked on it added (each request's at once, so requests checked meanwhile see them): a burst is refused at
+    the router once its own bookings would pass the budget, before any worker or encoder call; a booking given back
+    no longer counts. A booking whose Encode call has not started (its request waits for a worker's blocks) counts
+    whatever the heartbeats say, up to `UNSENT_TTL_S`; once its call started, the next heartbeat (which counts
+    admitted items itself) replaces it, and without heartbeats the backlog drains at one second a second."""
     from services.common.registry import Member
+    from services.router.cluster_view import UNSENT_TTL_S
 
     published = {"at": 1.0, "state": {"queued_tokens": 0, "token_ms": 25.0, "budget_ms": 1000, "over_budget_ms": 0}}
 
@@ -156,6 +158,10 @@ def test_the_router_counts_what_it_booked_since_the_encoders_heartbeat() -> None
                 return []
             return [Member("encoder", "e1", "r", dict(published["state"]), published["at"])]
 
+    def heartbeat(at: float, queued: int) -> None:
+        published.update(at=at, state={**published["state"], "queued_tokens": queued})
+        asyncio.run(view.refresh())
+
     now = [100.0]
     view = ClusterView(Published(), "r", clock=lambda: now[0])  # type: ignore[arg-type]
     asyncio.run(view.refresh())
@@ -163,27 +169,36 @@ def test_the_router_counts_what_it_booked_since_the_encoders_heartbeat() -> None
 
     first = dispatcher.check_room(items(3))  # nothing queued: anything is admitted; 3 items of 4 tokens booked
     assert first.tokens == {"e1": 12}
-    dispatcher.check_room(items(5))  # (3 + 5) x 4 x 25 ms = 0.8 s: within the budget
+    second = dispatcher.check_room(items(5))  # (3 + 5) x 4 x 25 ms = 0.8 s: within the budget
     with pytest.raises(RequestError) as info:
         dispatcher.check_room(items(3))  # (8 + 3) x 100 ms = 1.1 s
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and info.value.reason == "encoders_busy"
     assert dict(info.value.metadata)["retry-after-ms"] == "100"  # how far past the budget
     dispatcher.release(first)  # that request went no further
-    dispatcher.check_room(items(3))  # (5 + 3) x 100 ms
+    third = dispatcher.check_room(items(3))  # (5 + 3) x 100 ms
+    heartbeat(2.0, 0)  # the encoder has seen none of them: its heartbeat does not make them go
+    with pytest.raises(RequestError):
+        dispatcher.check_room(items(3))  # (8 + 3) x 100 ms
+    dispatcher._sending(second, "e1")  # their calls start: the encoder's to count from now on
+    dispatcher._sending(third, "e1")
+    assert view.note_unbooked("e1", second) == 0
     now[0] += 0.9  # heartbeats come every 0.2 s and will say what drained: nothing is taken off meanwhile
     with pytest.raises(RequestError):
         dispatcher.check_room(items(3))  # (8 + 3) x 100 ms
     now[0] += 0.25  # but one over a second old has stopped: its queue drains from then on (150 ms here)
     with pytest.raises(RequestError):
         dispatcher.check_room(items(4))  # (8 + 4) x 100 - 150 ms
-    dispatcher.check_room(items(3))  # (8 + 3) x 100 - 150 ms
-    published.update(at=2.0, state={**published["state"], "queued_tokens": 12})  # its next heartbeat
-    asyncio.run(view.refresh())
-    dispatcher.check_room(items(2))  # (3 + 2) x 100 ms: what it reports replaces what was booked
+    fourth = dispatcher.check_room(items(3))  # (8 + 3) x 100 - 150 ms
+    dispatcher._sending(fourth, "e1")
+    heartbeat(3.0, 12)  # its next heartbeat
+    dispatcher.check_room(items(2))  # (3 + 2) x 100 ms: what it reports replaces what was sent
     with pytest.raises(RequestError):
-        dispatcher.check_room(items(6))  # (3 + 2 + 6) x 100 ms
-    now[0] += 60.0  # no heartbeat for a minute (Redis down, say): what was booked has drained meanwhile
-    dispatcher.check_room(items(6))
+        dispatcher.check_room(items(6))  # (3 + 2 + 6) x 100 ms: the 2 are booked, not sent
+    now[0] += UNSENT_TTL_S  # a booking neither sent nor given back (a request that vanished) stops counting
+    heartbeat(4.0, 12)
+    dispatcher.check_room(items(6))  # (3 + 6) x 100 ms
+    now[0] += 60.0  # no heartbeat for a minute (Redis down, say): what was sent has drained meanwhile, and the
+    dispatcher.check_room(items(6))  # 6 booked unsent before have passed their TTL
 
 
 def test_a_request_with_unknown_images_is_refused_before_it_is_prepared() -> None:
@@ -266,6 +281,7 @@ def test_the_call_to_the_encoder_this_router_booked_says_so(cache: EmbeddingCach
         booking = dispatcher.check_room([item])
         try:
             await dispatcher.encode_items("r1", [item], "127.0.0.1:1", time.monotonic() + 60, booking)
+            assert all(view.note_unbooked(a, booking) == 0 for a in encoders)  # nothing left counted as unsent
         finally:
             for channel in channels.values():
                 await channel.close()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import gc
 import logging
 import threading
 from multiprocessing.connection import Connection
@@ -109,6 +108,7 @@ class EngineChild:
 
 def child_main(conn: Connection, config: WorkerConfig) -> None:
     """The child process: load the model and engine from ``config``, then serve the pipe until told to stop."""
+    from services.common.collector import FullCollections
     from services.common.model_info import load_model_info
     from services.common.service_main import dtype_of, setup_logging
     from services.models.vision_runner import VisionRunner
@@ -127,5 +127,5 @@ def child_main(conn: Connection, config: WorkerConfig) -> None:
         log.exception("engine process start-up failed")
         conn.send(Failed(f"{type(exc).__name__}: {exc}"))
         return
-    gc.freeze()  # the model and libraries never die: keep full collections off their objects
+    FullCollections().start()  # the model and libraries frozen; full collections only when quiet
     child.run()
