@@ -63,28 +63,23 @@ def test_no_automatic_full_collection_and_thresholds_restored() -> None:
     gc.collect()
 
 
-def test_quiet_process_collects_its_oldest_garbage() -> None:
-    collections = FullCollections(check_s=0.05, min_interval_s=0.1, max_interval_s=100)
+@pytest.mark.parametrize(
+    ("max_interval_s", "meanwhile"),
+    [
+        (100.0, lambda: time.sleep(0.05)),  # quiet: the thread collects once the minimum interval passed
+        (0.5, lambda: sum(range(10_000))),  # a core's worth of work, never quiet: collected when overdue
+    ],
+    ids=["quiet", "busy"],
+)
+def test_the_thread_collects_the_oldest_garbage(max_interval_s: float, meanwhile) -> None:
+    collections = FullCollections(check_s=0.05, min_interval_s=0.1, max_interval_s=max_interval_s)
     collections.start()
     try:
         dead = _cycle_in_oldest_generation()
         deadline = time.monotonic() + 10
         while dead() is not None and time.monotonic() < deadline:
-            time.sleep(0.05)  # this process is quiet: the thread collects
+            meanwhile()
         assert dead() is None
         assert collections.collections >= 1
-    finally:
-        collections.stop()
-
-
-def test_busy_process_collects_when_overdue() -> None:
-    collections = FullCollections(check_s=0.05, min_interval_s=0.1, max_interval_s=0.5)
-    collections.start()
-    try:
-        dead = _cycle_in_oldest_generation()
-        deadline = time.monotonic() + 10
-        while dead() is not None and time.monotonic() < deadline:
-            sum(range(10_000))  # a core's worth of work: never quiet
-        assert dead() is None
     finally:
         collections.stop()
