@@ -7,7 +7,8 @@ already admitted plus its own, at the drain rate measured on the items encoded b
 burst is queued and served; only a backlog longer than the budget is refused (`Overloaded` with
 kind `WAIT`: the caller should refuse its client). The counts (preprocessing slots, queued tokens)
 stay as hard ceilings for memory; a refusal by a ceiling is kind `FULL`, momentary by construction,
-which a router may hold and retry. The returned `Ticket` gives each slot and token back.
+which a router may hold and retry, unless the expected wait is past the budget as well (then `WAIT`).
+The returned `Ticket` gives each slot and token back.
 
 Invariants:
 - `queued_items` / `queued_tokens` count exactly the admitted items not yet finished (encoded,
@@ -221,17 +222,25 @@ class Admission:
                     f"encoder queue is full: {self._tokens} encoder tokens queued, the request adds "
                     f"{wanted}, cap {self._token_cap}",
                     self._retry_ms(self._drain_s(self._tokens + wanted - self._token_cap, now)),
-                    FULL,
+                    self._ceiling_kind(wanted, now),
                 )
         try:
             reservation = self._pool.reserve(len(tokens))
         except QueueFull as exc:
             retry = self._retry_ms(self._drain_s(wanted, now))
-            raise Overloaded(f"{exc}; the request needs {len(tokens)}", retry, FULL) from None
+            raise Overloaded(
+                f"{exc}; the request needs {len(tokens)}", retry, self._ceiling_kind(wanted, now)
+            ) from None
         self.rates.started(now, self._items - self._waiting)
         self._items += len(tokens)
         self._tokens += wanted
         return Ticket(self, reservation, tokens)
+
+    def _ceiling_kind(self, tokens: int, now: float) -> str:
+        """A ceiling's refusal: `FULL` (momentary, a router may hold the request for a slot), but `WAIT` when the
+        expected wait with `tokens` more is past the time budget too, as it is for a request a router booked by a
+        rate the burst has since slowed: held, it was refused 2 s later (`encoder_full_after_wait`), never served."""
+        return WAIT if self._items and self.expected_wait_s(tokens, now) > self._max_queue_s else FULL
 
     def expected_wait_s(self, tokens: int = 0, now: float | None = None) -> float:
         """Seconds until the admitted items, plus `tokens` more encoder tokens, are through the encoder (as of

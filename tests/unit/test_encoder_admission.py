@@ -95,7 +95,8 @@ def test_admission_queues_a_burst_within_the_time_budget_and_refuses_past_it() -
 def test_a_booked_request_is_judged_by_the_ceilings_and_its_deadline_not_the_time_budget() -> None:
     """A router that booked a request judged the encoder's time budget before placing it on a worker: the
     encoder admits it past that budget (a newer rate would refuse it after the worker reserved), still refuses
-    it by its own deadline and by the count ceilings, and judges an unbooked one by the budget as before."""
+    it by its own deadline and by the count ceilings (as a backlog when it is past the budget too, so the router
+    refuses it at once instead of holding it for a slot), and judges an unbooked one by the budget as before."""
 
     async def go() -> None:
         with PreprocessPool(workers=1, max_queue=24) as pool:
@@ -112,8 +113,13 @@ def test_a_booked_request_is_judged_by_the_ceilings_and_its_deadline_not_the_tim
             assert info.value.kind == overload.WAIT
             with pytest.raises(Overloaded, match="needs 4") as info:
                 admission.admit([4] * 4, booked=True)  # the pool's queue (24) is a ceiling for all
-            assert info.value.kind == overload.FULL
+            assert info.value.kind == overload.WAIT  # past the budget as well: no slot is worth waiting for
             assert admission.snapshot().queued_items == 21
+            roomy = Admission(pool, batcher, token_cap=10_000, max_queue_s=60.0, rates=EncoderRates())
+            tickets.append(roomy.admit([4]))
+            with pytest.raises(Overloaded, match="needs 4") as info:
+                roomy.admit([4] * 4, booked=True)  # within its budget: a slot frees soon, the router may hold it
+            assert info.value.kind == overload.FULL
             for ticket in tickets:
                 for index in range(len(ticket._tokens)):
                     ticket.finish(index)
