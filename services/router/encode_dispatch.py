@@ -59,11 +59,8 @@ class Failure:
 
 @dataclass(eq=False)
 class Booking:
-    """The encoder tokens `check_room` counted on each owner's queue for one request, until an owner refuses
-    them. Until the Encode call to an owner starts they count as unsent (`ClusterView.note_booked`): the request
-    may wait for a worker's blocks first, and the owner's heartbeats count only what reached it (before, each
-    heartbeat forgot them, and in an open-loop overload the router booked past the owner's time budget into its
-    count ceilings: those requests then waited ~2 s for a slot and were refused)."""
+    """The encoder tokens `check_room` counted on each owner's queue for one request, until an owner refuses them;
+    unsent (`ClusterView.note_booked`) until the Encode call to that owner starts: its heartbeats count only that."""
 
     tokens: dict[str, int] = field(default_factory=dict)
 
@@ -241,22 +238,6 @@ class EncodeDispatcher:
         report = EncodeReport()
         if not items:
             return report
-        try:
-            return await self._encode_all(request_id, items, worker, deadline, booking, report)
-        finally:
-            for owner in list(booking.tokens):  # an owner never called (failed over, or cancelled first)
-                if self._view.note_unbooked(owner, booking):
-                    booking.tokens.pop(owner, None)
-
-    async def _encode_all(
-        self,
-        request_id: str,
-        items: list[encoder_pb2.EncodeItem],
-        worker: str,
-        deadline: float,
-        booking: Booking,
-        report: EncodeReport,
-    ) -> EncodeReport:
         start = time.perf_counter()
         encoders = self._encoders()
         groups = group_by_encoder([item.ref.mm_hash for item in items], encoders) if encoders else {worker: []}
@@ -266,7 +247,12 @@ class EncodeDispatcher:
             )
             for owner, indexes in groups.items()
         ]
-        await asyncio.gather(*calls)
+        try:
+            await asyncio.gather(*calls)
+        finally:
+            for owner in list(booking.tokens):  # an owner never called (failed over, or cancelled first)
+                if self._view.note_unbooked(owner, booking):
+                    booking.tokens.pop(owner, None)
         report.seconds = time.perf_counter() - start
         return report
 
