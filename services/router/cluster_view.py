@@ -116,6 +116,7 @@ class ClusterView:
         self._pending: list[_Pending] = []
         self._backlogs: dict[str, _Backlog] = {}  # encoder -> its backlog as this router reckons it
         self._unsent: dict[str, dict[object, tuple[int, float]]] = {}  # encoder -> booking -> (tokens, expiry)
+        self._unsent_tokens: dict[str, int] = {}  # encoder -> the sum of its `_unsent` tokens
         self._absent: dict[str, float] = {}  # worker -> seconds missing from answered refreshes, in a row
         self._absence_watches: dict[str, dict[object, tuple[float, Callable[[], None]]]] = {}  # `on_absent`'s
         self._answered_at: float | None = None  # the previous refresh's time, when Redis answered it
@@ -139,6 +140,7 @@ class ClusterView:
                 log.exception("cluster view refresh failed")
 
     async def refresh(self) -> None:
+        self._expire_unsent()  # first: Redis answering or not
         roles = ("worker", "encoder", draining_role("worker"), "prefill")
         found = await asyncio.to_thread(self._registry.members_of, roles, self._revision)  # one thread hop
         workers, encoders, draining, prefill = (None,) * 4 if found is None else (found[role] for role in roles)
@@ -264,22 +266,25 @@ class ClusterView:
     def note_booked(self, encoder: str, booking: object, tokens: int) -> None:
         """This router booked `tokens` on `encoder` for `booking`, whose Encode call has not started (it waits for a
         worker's blocks first): counted on the encoder until `note_unbooked`, whatever its heartbeats say (they count
-        only what reached it), or for `UNSENT_TTL_S` at most (a request that ended without either)."""
+        only what reached it), or for `UNSENT_TTL_S` at most (a request that ended without either: `refresh` drops
+        it)."""
+        self.note_unbooked(encoder, booking)
         self._unsent.setdefault(encoder, {})[booking] = (tokens, self._clock() + UNSENT_TTL_S)
+        self._unsent_tokens[encoder] = self._unsent_tokens.get(encoder, 0) + tokens
 
     def note_unbooked(self, encoder: str, booking: object) -> int:
         """`booking`'s tokens on `encoder` stop counting as unsent (its call starts, or it goes no further);
         returns them (0: none were)."""
         tokens, _ = self._unsent.get(encoder, {}).pop(booking, (0, 0.0))
+        if tokens:
+            self._unsent_tokens[encoder] -= tokens
         return tokens
 
-    def _unsent_tokens(self, encoder: str, now: float) -> int:
-        booked = self._unsent.get(encoder)
-        if not booked:
-            return 0
-        for key in [key for key, (_, expiry) in booked.items() if expiry <= now]:
-            del booked[key]
-        return sum(tokens for tokens, _ in booked.values())
+    def _expire_unsent(self) -> None:
+        now = self._clock()
+        for encoder, booked in self._unsent.items():
+            for booking in [b for b, (_, expiry) in booked.items() if expiry <= now]:
+                self.note_unbooked(encoder, booking)
 
     def encoders(self) -> list[EncoderView]:
         now = self._clock()
@@ -287,7 +292,7 @@ class ClusterView:
         for m in self._encoders:
             state = m.state
             backlog = self._backlogs.get(m.address)
-            unsent = self._unsent_tokens(m.address, now)
+            unsent = self._unsent_tokens.get(m.address, 0)
             out.append(
                 EncoderView(
                     m.address,
