@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import gc
 import io
 import logging
 import time
@@ -307,7 +306,6 @@ async def start_encoder(config: EncoderConfig) -> RunningEncoder:
     )
     await heartbeat.start()
     await running.set_serving([binding.name])  # healthy once routers can find it
-    gc.freeze()  # the model, tokenizer and libraries never die: keep full collections off their objects
     log.info(
         "encoder serving on %s (model %s, %d decode processes, queue %d, transport %s, %.0f ms per warm-up item"
         " of %d tokens)",
