@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -23,15 +22,15 @@ from services.worker.engine.request import (
     EngineRequest,
     KVState,
     KVTransfer,
-    SamplingOptions,
     StepOutput,
+    TokenLogprobs,
 )
 from services.worker.engine.request_checks import check_request, check_rows, item_rows
-from services.worker.engine.sampler import Sampler, reseed_for_position
+from services.worker.engine.sampler import Sampler
 from services.worker.engine.scheduler import Scheduler, SchedulerOutput
 from services.worker.engine.sequence import Sequence, request_choices
 from services.worker.engine.step_cost import StepCostModel, StepShape, StepTiming
-from services.worker.engine.step_mask import StepMask
+from services.worker.engine.step_sampling import sample_step
 from services.worker.engine.structured import REFUSED, STOPPED, StructuredOutputs
 from services.worker.engine.tensor_parallel.start import make_runner
 
@@ -132,16 +131,10 @@ class Engine:
         the first-token outputs of the sequences whose KV is then complete."""
         outputs = []
         for seq, first in self.kv_connector.write(None if self._tokens_at is None else self._step_s):
-            seq.append_token(first.token_id)
-            reason = seq.stop_reason(self.eos_token_ids)
-            if reason is not None:
-                self._finish(seq, reason)
-            else:
+            output = self._token_output(seq, first.token_id, first.logprobs)
+            if not output.finished:
                 self.scheduler.ready.append(seq)
-            logprobs = None if first.logprobs is None else [first.logprobs]
-            finished = seq.request_id not in self.requests
-            outputs.append(StepOutput(seq.request_id, [first.token_id], reason is not None, reason,
-                                      seq.num_cached_tokens, seq.index, logprobs, finished))  # fmt: skip
+            outputs.append(output)
         return outputs
 
     def add_request(self, request: EngineRequest) -> None:
@@ -227,17 +220,7 @@ class Engine:
         seqs = [c.seq for c in run.sampled]
         sampled, mask = [], None
         if seqs:  # the step's one device-to-host copy: token ids and any logprobs together
-            options = [s.sampling for s in seqs]
-            generators = [
-                None if s.generator is None else reseed_for_position(s.generator, s.sampling.seed, len(s.token_ids))
-                for s in seqs
-            ]
-            logits = run.logits
-            mask = self.structured.step_mask([s.grammar for s in seqs])
-            if mask is not None:
-                logits = mask.apply(logits, self.runner.io)
-                _stops_over_min_tokens(seqs, options, mask)
-            sampled = self.sampler.sample_to_host(logits, options, generators, seqs, raw_logits=run.logits)
+            sampled, mask = sample_step(self.sampler, self.structured, self.runner.io, seqs, run.logits)
         timed = bool(seqs) or self.runner.device.type != "cuda"
         end = time.perf_counter()
         if timed:
@@ -249,8 +232,8 @@ class Engine:
         outputs = early
         verdicts = self.structured.accept(mask, [token for token, _ in sampled]) if mask is not None else {}
         # a row per sampling sequence: the checks that cost a call (grammar verdict, remote prefill) are skipped
-        # when no row can need them, and the output is built positionally (StepOutput's field order)
-        sending, requests, eos, decodes_on = self.kv_connector.sending, self.requests, self.eos_token_ids, False
+        # when no row can need them
+        sending, decodes_on = self.kv_connector.sending, False
         for row, (seq, (token, logprobs)) in enumerate(zip(seqs, sampled, strict=True)):
             verdict = verdicts.get(row) if verdicts else None
             if verdict == REFUSED:
@@ -263,26 +246,9 @@ class Engine:
                 self._finish(seq, "kv_sent")
                 outputs.append(self._ended(seq, "kv_sent"))
                 continue
-            seq.append_token(token)
-            reason = seq.stop_reason(eos)
-            if reason is None and verdict == STOPPED:
-                reason = "stop"
-            if reason is not None:
-                self._finish(seq, reason)
-            else:
-                decodes_on = True
-            outputs.append(
-                StepOutput(
-                    seq.request_id,
-                    [token],
-                    reason is not None,
-                    reason,
-                    seq.num_cached_tokens,
-                    seq.index,
-                    None if logprobs is None else [logprobs],
-                    seq.request_id not in requests,
-                )
-            )
+            output = self._token_output(seq, token, logprobs, verdict == STOPPED)
+            decodes_on = decodes_on or not output.finished
+            outputs.append(output)
         if decodes_on and timed:
             self._tokens_at = end  # a sequence decodes next step: that step's time runs from here
         return outputs
@@ -302,6 +268,19 @@ class Engine:
                 self._finish(seq, "error")
                 ended.append(self._ended(seq, "error"))
         return ended
+
+    def _token_output(
+        self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, grammar_stopped: bool = False
+    ) -> StepOutput:
+        """``token`` appended to ``seq``, which finishes when it stops (or its grammar ended it); its output."""
+        seq.append_token(token)
+        reason = seq.stop_reason(self.eos_token_ids)
+        if reason is None and grammar_stopped:
+            reason = "stop"
+        if reason is not None:
+            self._finish(seq, reason)
+        return StepOutput(seq.request_id, [token], reason is not None, reason, seq.num_cached_tokens, seq.index,
+                          None if logprobs is None else [logprobs], seq.request_id not in self.requests)  # fmt: skip
 
     def _ended(self, seq: Sequence, reason: str) -> StepOutput:
         """The output of a choice ended without a new token."""
@@ -410,13 +389,3 @@ class Engine:
         choices.remove(seq)
         if not choices:
             del self.requests[seq.request_id]
-
-
-def _stops_over_min_tokens(seqs: list[Sequence], options: list[SamplingOptions], mask: StepMask) -> None:
-    """In ``options``, drop ``min_tokens`` for the rows whose grammar allows nothing but a stop this step: the
-    constraint ends the text (banning the stop would leave the row no token at all)."""
-    for j, i in enumerate(mask.rows):
-        opts, seq = options[i], seqs[i]
-        pending = opts.min_tokens and len(seq.token_ids) - seq.output_start < opts.min_tokens
-        if pending and mask.only_stop_allowed(j):
-            options[i] = dataclasses.replace(opts, min_tokens=0)
