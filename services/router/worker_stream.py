@@ -100,10 +100,13 @@ class WorkerStream:
         return response
 
     def cancel(self) -> None:
-        """Abort the request on its worker (cancels the call) and stop taking its responses."""
+        """Abort the request on its worker (cancels the call) and stop taking its responses; a `read` then raises
+        CancelledError once the responses already queued are read, even when the call had ended (its end then
+        put nothing more, and the relay, unbound, never will)."""
         self._call.cancel()
         if self._relay is not None:
             self._relay.unbind(self._request_id)
+            self._queue.put_nowait(_CANCELLED)
 
     async def close(self) -> None:
         self.cancel()

@@ -95,3 +95,51 @@ async def _race(rounds: int) -> list[str]:
 def test_a_call_meeting_a_stopping_server_is_refused_not_failed() -> None:
     outcomes = asyncio.run(_race(6))
     assert set(outcomes) <= {"admitted", "refused"}
+
+
+class _Relay:
+    """The router's relay as `open_worker` and `WorkerStream` use it: a queue per request, nothing delivered."""
+
+    relay_id = "relay-1"
+
+    def __init__(self) -> None:
+        self.queues: dict[str, asyncio.Queue] = {}
+
+    def bind(self, request_id: str) -> asyncio.Queue:
+        self.queues[request_id] = asyncio.Queue()
+        return self.queues[request_id]
+
+    def unbind(self, request_id: str) -> None:
+        self.queues.pop(request_id, None)
+
+
+async def _cancelled_after_the_call_ended() -> str:
+    """A relayed attempt whose Generate call ended (its last responses still on their way over the relay) and
+    which is then cancelled (its remote prefill failed, its worker vanished): what its next `read` does."""
+    server, address = await _serving(_Worker(None))
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            relay = _Relay()
+            request = worker_pb2.WorkerRequest(request_id="relayed")
+            reserved = await open_worker(channel, address, request, time.monotonic() + 10, relay)  # type: ignore[arg-type]
+            assert reserved is not None and request.relay_id == relay.relay_id
+            stream = reserved.handle
+            await asyncio.sleep(0.2)  # the call's end is read: the stream now waits for the relay alone
+            stream.cancel()
+            assert "relayed" not in relay.queues
+            try:
+                await asyncio.wait_for(stream.read(), 2.0)
+            except asyncio.CancelledError:
+                return "cancelled"
+            except TimeoutError:
+                return "still waiting"
+            return "answered"
+    finally:
+        await server.stop(None)
+
+
+def test_a_cancelled_stream_whose_call_had_ended_stops_waiting_for_the_relay() -> None:
+    """Its relay queue is unbound, so nothing more can arrive: the read raises CancelledError instead of waiting
+    out the request's deadline (a remote prefill whose worker was killed before its acknowledgement reached the
+    router left such a stream, and the request hung, after its decode worker's call had ended)."""
+    assert asyncio.run(_cancelled_after_the_call_ended()) == "cancelled"
