@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -14,6 +17,7 @@ from services.worker.engine.request import EngineRequest, SamplingOptions
 from services.worker.engine.step_threads import (
     LARGE_STEP_TOKENS,
     StepThreads,
+    own_native_running,
     resolve_threads,
     runnable_tasks,
     usable_cores,
@@ -56,6 +60,34 @@ def test_a_large_step_borrows_only_cores_nothing_else_runs_on(one_thread: None) 
     busy[0] = 0  # a count that missed this thread is read as this thread alone
     assert threads.threads_for(LARGE_STEP_TOKENS) == 4
     assert StepThreads(3, runnable=lambda: None, cores=4).threads_for(LARGE_STEP_TOKENS) == 3  # no count: as asked
+
+
+def test_this_process_s_own_spinning_workers_leave_their_core_to_the_step(one_thread: None) -> None:
+    """After a two-thread step the box's count still holds its OpenMP worker, spinning before it sleeps: the next
+    large step takes that core again instead of finding it busy; another process's task still counts."""
+    busy, own = [2], [1]
+    threads = StepThreads(2, runnable=lambda: busy[0], cores=2, own_workers=lambda: own[0])
+    assert threads.threads_for(LARGE_STEP_TOKENS) == 2  # this thread and its own worker: the second core is ours
+    busy[0] = 3
+    assert threads.threads_for(LARGE_STEP_TOKENS) == 1  # and something else runs: the second core is taken
+    busy[0], own[0] = 2, 0
+    assert threads.threads_for(LARGE_STEP_TOKENS) == 1  # another task, not ours
+
+
+def test_python_threads_are_not_counted_as_compute_workers() -> None:
+    stop = threading.Event()
+    spinning = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)], daemon=True)
+    spinning.start()
+    try:
+        time.sleep(0.05)
+        before = own_native_running()
+        assert before >= 0
+        tid = str(spinning.native_id)
+        assert tid in os.listdir("/proc/self/task")  # a thread of this process, maybe running: never in the count
+        assert own_native_running() <= len(os.listdir("/proc/self/task")) - threading.active_count()
+    finally:
+        stop.set()
+        spinning.join()
 
 
 def test_the_box_count_includes_the_reader() -> None:

@@ -6,8 +6,11 @@ threads, its products and attention being large; a decode step of a few rows doe
 for waking the threads), so only steps of at least ``LARGE_STEP_TOKENS`` tokens take more threads, and only as
 many as there are idle cores as the step begins: a thread on a core something else is using (an encoder's vision
 tower, the client) stalls every parallel region of the step, which then ends later than on one thread. The
-process's own count is restored after. Invariant: outside ``for_step`` the process runs its own thread count;
-nothing changes on a GPU, where the step's work is on the device.
+box's count of running tasks includes this process's own OpenMP workers while they spin after a parallel region
+(libgomp spins for milliseconds before it sleeps): those are not counted as busy, or every large step after a large
+step would find the core its own worker holds taken and run on one thread. The process's own count is restored
+after. Invariant: outside ``for_step`` the process runs its own thread count; nothing changes on a GPU, where the
+step's work is on the device.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 from collections.abc import Callable, Iterator
 
 import torch
@@ -67,18 +71,43 @@ def runnable_tasks() -> int | None:
     return int(fields[3].split(b"/")[0])
 
 
+def own_native_running() -> int:
+    """How many threads of this process that Python did not start are running now (``/proc/self/task``; 0 where
+    there is none): its compute library's workers, spinning after their last parallel region or at work."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    python = {thread.native_id for thread in threading.enumerate()}
+    running = 0
+    for task in tasks:
+        if int(task) in python:
+            continue
+        try:
+            with open(f"/proc/self/task/{task}/stat", "rb") as stat:
+                running += stat.read().rsplit(b")", 1)[1].split(None, 1)[0] == b"R"
+        except OSError:  # the thread ended meanwhile
+            continue
+    return running
+
+
 class StepThreads:
     """Switches torch's intra-op threads around a large step; a no-op where ``threads`` is the process's own.
 
-    ``runnable`` tells how busy the box is (``runnable_tasks``); a large step adds to the process's own
-    threads at most the ``cores`` (those it may use) nobody else is running on, and all ``threads`` where
-    ``runnable`` answers None."""
+    ``runnable`` tells how busy the box is (``runnable_tasks``), ``own_workers`` how many of those tasks are this
+    process's compute workers (``own_native_running``); a large step adds to the process's own threads at most the
+    ``cores`` (those it may use) nobody else is running on, and all ``threads`` where ``runnable`` answers None."""
 
     def __init__(
-        self, threads: int, runnable: Callable[[], int | None] | None = None, cores: int | None = None
+        self,
+        threads: int,
+        runnable: Callable[[], int | None] | None = None,
+        cores: int | None = None,
+        own_workers: Callable[[], int] | None = None,
     ) -> None:
         self.threads = threads
         self._runnable = runnable or runnable_tasks
+        self._own_workers = own_workers or own_native_running
         self._cores = cores or usable_cores()
 
     def threads_for(self, num_tokens: int) -> int:
@@ -91,7 +120,8 @@ class StepThreads:
         busy = self._runnable()
         if busy is None:
             return self.threads
-        idle = self._cores - max(busy, 1)  # this thread is running, so it counts itself
+        others = busy - self._own_workers()  # this process's workers take a core only until the step gives them work
+        idle = self._cores - max(others, 1)  # this thread is running, so it counts itself
         return own + max(0, min(self.threads - own, idle))
 
     @contextlib.contextmanager
