@@ -51,8 +51,11 @@ class WorkerRelay:
         self._queues[request_id] = queue
         return queue
 
-    def unbind(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
+    def unbind(self, request_id: str, queue: asyncio.Queue) -> None:
+        """Stop delivering ``request_id``'s responses to ``queue``; a queue a later attempt of the same request bound
+        since (a migration back to this worker) stays bound."""
+        if self._queues.get(request_id) is queue:
+            del self._queues[request_id]
 
     async def _read(self, channel: grpc.aio.Channel) -> None:
         call = worker_pb2_grpc.WorkerStub(channel).Relay(worker_pb2.RelayOpen(relay_id=self.relay_id))

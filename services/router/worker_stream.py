@@ -105,7 +105,7 @@ class WorkerStream:
         put nothing more, and the relay, unbound, never will)."""
         self._call.cancel()
         if self._relay is not None:
-            self._relay.unbind(self._request_id)
+            self._relay.unbind(self._request_id, self._queue)
             self._queue.put_nowait(_CANCELLED)
 
     async def close(self) -> None:
@@ -133,19 +133,19 @@ async def open_worker(
         first = await call.read()
     except grpc.aio.AioRpcError as exc:
         if relay is not None:
-            relay.unbind(request.request_id)
+            relay.unbind(request.request_id, queue)
         if exc.code() in REFUSALS:
             return None
         raise RequestError(exc.code(), f"worker {worker}: {exc.details()}") from exc
     except BaseException:
         call.cancel()
         if relay is not None:
-            relay.unbind(request.request_id)
+            relay.unbind(request.request_id, queue)
         raise
     if first is grpc.aio.EOF or not first.admitted:
         call.cancel()
         if relay is not None:
-            relay.unbind(request.request_id)
+            relay.unbind(request.request_id, queue)
         return None
     stream = WorkerStream(call, relay, queue, request.request_id)
     stream.kv_skip_blocks = first.kv_skip_blocks

@@ -37,8 +37,10 @@ class Relay:
     def bind(self, request_id: str, outputs: asyncio.Queue) -> None:
         self._bound[request_id] = outputs
 
-    def unbind(self, request_id: str) -> None:
-        self._bound.pop(request_id, None)
+    def unbind(self, request_id: str, outputs: asyncio.Queue) -> None:
+        """Forget ``outputs`` as ``request_id``'s; a later attempt of the same request bound since stays bound."""
+        if self._bound.get(request_id) is outputs:
+            del self._bound[request_id]
 
     def send(self, response: worker_pb2.WorkerResponse) -> None:
         """Queue `response` (its `request_id` set) for the next message."""

@@ -246,7 +246,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if not finished:
                     pusher.cancel()
             if relay is not None:
-                relay.unbind(request.request_id)
+                relay.unbind(request.request_id, outputs)
             embeddings.cancel()
             if kv_wait is not None:
                 kv_wait.cancel()

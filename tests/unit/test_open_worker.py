@@ -18,6 +18,7 @@ import pytest
 
 from services.common.rpc.epd.v1 import worker_pb2, worker_pb2_grpc
 from services.router.errors import RequestError
+from services.router.relay import WorkerRelay
 from services.router.worker_stream import open_worker
 
 
@@ -109,8 +110,9 @@ class _Relay:
         self.queues[request_id] = asyncio.Queue()
         return self.queues[request_id]
 
-    def unbind(self, request_id: str) -> None:
-        self.queues.pop(request_id, None)
+    def unbind(self, request_id: str, queue: asyncio.Queue) -> None:
+        if self.queues.get(request_id) is queue:
+            del self.queues[request_id]
 
 
 async def _cancelled_after_the_call_ended() -> str:
@@ -143,3 +145,43 @@ def test_a_cancelled_stream_whose_call_had_ended_stops_waiting_for_the_relay() -
     out the request's deadline (a remote prefill whose worker was killed before its acknowledgement reached the
     router left such a stream, and the request hung, after its decode worker's call had ended)."""
     assert asyncio.run(_cancelled_after_the_call_ended()) == "cancelled"
+
+
+class _RelayingWorker(worker_pb2_grpc.WorkerServicer):
+    """A worker's relay: the opening message, then one response for request "r" once `send` is set."""
+
+    def __init__(self) -> None:
+        self.send = asyncio.Event()
+
+    async def Relay(self, request, context) -> AsyncIterator[worker_pb2.RelayBatch]:  # noqa: ANN001, N802
+        yield worker_pb2.RelayBatch()
+        await self.send.wait()
+        yield worker_pb2.RelayBatch(responses=[worker_pb2.WorkerResponse(request_id="r", token_ids=[7])])
+        await asyncio.sleep(5)
+
+
+async def _later_attempt_after_a_late_unbind() -> list[int]:
+    """Attempt 1 of request "r" and then attempt 2 (a migration back to the same worker) bind the relay; attempt 1's
+    clean-up unbinds after attempt 2 bound (a failed remote prefill's callback runs a loop turn later): what
+    attempt 2's queue then receives."""
+    servicer = _RelayingWorker()
+    server, address = await _serving(servicer)  # type: ignore[arg-type]
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            relay = WorkerRelay(address, channel, "relay-1")
+            for _ in range(200):
+                if relay.ready:
+                    break
+                await asyncio.sleep(0.01)
+            first, second = relay.bind("r"), relay.bind("r")
+            relay.unbind("r", first)
+            servicer.send.set()
+            response = await asyncio.wait_for(second.get(), 2.0)
+            await relay.close()
+            return list(response.token_ids)
+    finally:
+        await server.stop(None)
+
+
+def test_a_late_unbind_of_an_earlier_attempt_leaves_the_later_one_bound() -> None:
+    assert asyncio.run(_later_attempt_after_a_late_unbind()) == [7]
