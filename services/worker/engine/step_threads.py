@@ -120,8 +120,9 @@ class StepThreads:
         busy = self._runnable()
         if busy is None:
             return self.threads
-        others = busy - self._own_workers()  # this process's workers take a core only until the step gives them work
-        idle = self._cores - max(others, 1)  # this thread is running, so it counts itself
+        if busy > 1:  # this process's workers hold a core only until the step gives them work
+            busy -= self._own_workers()
+        idle = self._cores - max(busy, 1)  # this thread is running, so it counts itself
         return own + max(0, min(self.threads - own, idle))
 
     @contextlib.contextmanager
