@@ -115,8 +115,8 @@ class WorkerMetrics:
             step_prefill_budget=meter.create_histogram(
                 "epd_step_prefill_budget_tokens",
                 unit="tokens",
-                description="prefill tokens the inter-token latency target allowed a step (EPD_ITL_TARGET_MS; "
-                "steps with decodes running and prefill waiting)",
+                description="prefill tokens the inter-token latency target allowed a step (EPD_ITL_TARGET_MS or "
+                "EPD_ITL_TARGET_FACTOR; steps with decodes running and prefill waiting)",
             ),
             step_time_ratio=meter.create_histogram(
                 "epd_step_time_ratio",

@@ -42,7 +42,9 @@ class EngineConfig:
     ``itl_target_ms`` (0: off) is an inter-token latency target: while sequences decode, each step carries the
     most prefill tokens the step-cost model (fitted online from the engine's own steps, ``step_cost.py``)
     predicts keep the step within it, at least one block's worth (``itl_target.py``); with both set, the
-    smaller cap wins. With no decode running, prefill takes the whole budget either way.
+    smaller cap wins. With no decode running, prefill takes the whole budget either way. Without it the target
+    is relative, ``itl_target_factor`` (the default 6; 0: no target) times the predicted step of the same
+    decodes alone.
 
     ``prefill_threads`` (0: automatic) are the intra-op CPU threads of a step of at least 256 tokens, the process's
     own for the others (step_threads.py): by default twice the process's, at most the cores it may use, so a
@@ -95,6 +97,13 @@ class EngineConfig:
     itl_target_ms: float = field(
         default=0.0,
         metadata={"help": "inter-token latency target: prefill per step sized to keep decode steps under it (0: off)"},
+    )
+    itl_target_factor: float = field(
+        default=6.0,
+        metadata={
+            "help": "with no itl_target_ms: prefill per step sized to keep a step within this many times its "
+            "decodes' step alone (0: off)"
+        },
     )
     prefill_threads: int = field(
         default=0,
@@ -154,8 +163,9 @@ class EngineConfig:
             raise ValueError(f"{name('overcommit')} must be >= 1.0, got {self.overcommit}")
         if self.prefill_tokens_per_free_seq < 0:
             raise ValueError(f"{name('prefill_tokens_per_free_seq')} must be >= 0")
-        if not self.itl_target_ms >= 0:
-            raise ValueError(f"{name('itl_target_ms')} must be >= 0 (0: off), got {self.itl_target_ms}")
+        for key in ("itl_target_ms", "itl_target_factor"):
+            if not getattr(self, key) >= 0:
+                raise ValueError(f"{name(key)} must be >= 0 (0: off), got {getattr(self, key)}")
         if self.prefill_threads < 0:
             raise ValueError(f"{name('prefill_threads')} must be >= 0 (0: automatic), got {self.prefill_threads}")
         if self.embedding_buffer_bytes < 0:

@@ -70,11 +70,7 @@ class Engine:
                                   config.block_size, self.runner.kv.layout, config.tensor_parallel_size)  # fmt: skip
         self.embeddings = EmbeddingPool(config.embedding_buffer_bytes, config.torch_dtype, self.runner.io)
         self.step_costs = StepCostModel()
-        self.itl_target = (
-            ItlTarget(config.itl_target_ms / 1000, self.step_costs, minimum=config.block_size)
-            if config.itl_target_ms > 0
-            else None
-        )
+        self.itl_target = ItlTarget.of(config, self.step_costs)
         self.scheduler = Scheduler(config, self.block_manager, self.embeddings, self.itl_target)
         self.kv_connector = KVConnector(self.block_manager, self.runner.kv)  # prefill/decode disaggregation
         self.on_step: Callable[[StepTiming], None] | None = None

@@ -198,6 +198,11 @@ class StepCostModel:
         self.coefficients = tuple(float(v) for v in theta / _SCALES)
         self._fit_s = time.perf_counter() - started
 
+    def decode_seconds(self, decode_rows: int, decode_context: int) -> float:
+        """Predicted seconds of a step of these decodes and no prefill."""
+        c = self.coefficients
+        return c[0] + c[1] * decode_rows + c[2] * decode_context
+
     def max_prefill_tokens(
         self,
         decode_rows: int,
@@ -212,7 +217,7 @@ class StepCostModel:
         advances). ``prefill_context`` is the computed tokens before the prefill (the largest, when several
         sequences prefill: the prediction then over-estimates, never under-estimates, their attention)."""
         c = self.coefficients
-        spare = target_s - (c[0] + c[1] * decode_rows + c[2] * decode_context)
+        spare = target_s - self.decode_seconds(decode_rows, decode_context)
         if spare <= 0:
             return min(minimum, limit)
         # c[3] n + c[4] n (prefill_context + n) <= spare: the positive root of a quadratic in n
