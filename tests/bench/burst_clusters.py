@@ -76,8 +76,7 @@ class BenchCluster:
     ) -> BenchCluster:
         from services.launch.local import ClusterSpec, StartCancelled, start_cluster
 
-        # target_ms 0: no target at all, not the relative default
-        env = {**env, "EPD_ITL_TARGET_MS": str(target_ms), "EPD_ITL_TARGET_FACTOR": "0", "EPD_HTTP_PORT": "0"}
+        env = {**env, "EPD_ITL_TARGET_MS": str(target_ms), "EPD_HTTP_PORT": "0"}
         spec = ClusterSpec(
             model,
             redis_url=redis_url,

@@ -200,7 +200,7 @@ def test_time_already_waited_comes_off_the_plan() -> None:
 
 
 def test_relative_target_is_a_multiple_of_the_decodes_own_step() -> None:
-    """The default target: ``factor`` times the predicted decode-only step of the step's decodes, so more or longer
+    """A relative target: ``factor`` times the predicted decode-only step of the step's decodes, so more or longer
     decodes allow a longer step; the planned step fits under it, and the command budget follows it."""
     model = fitted(7, outliers=0.1)
     target = ItlTarget(0.0, model, minimum=16, factor=6.0)
@@ -218,11 +218,11 @@ def test_engine_target_setting_chooses_time_factor_or_none() -> None:
     from services.worker.engine.config import EngineConfig
 
     model = StepCostModel()
-    default = ItlTarget.of(EngineConfig(block_size=16), model)
-    assert default is not None and default.factor == 6.0 and default.target_s == 0.0
-    timed = ItlTarget.of(EngineConfig(block_size=16, itl_target_ms=25.0), model)
+    assert ItlTarget.of(EngineConfig(block_size=16), model) is None  # off by default
+    relative = ItlTarget.of(EngineConfig(block_size=16, itl_target_factor=6.0), model)
+    assert relative is not None and relative.factor == 6.0 and relative.target_s == 0.0
+    timed = ItlTarget.of(EngineConfig(block_size=16, itl_target_ms=25.0, itl_target_factor=6.0), model)
     assert timed is not None and timed.target_s == 0.025 and timed.factor == 0.0  # a time wins over the factor
-    assert ItlTarget.of(EngineConfig(block_size=16, itl_target_factor=0.0), model) is None
     with pytest.raises(ValueError, match="itl_target_factor"):
         EngineConfig(itl_target_factor=-1.0).check()
     with pytest.raises(ValueError, match="not both"):
@@ -235,16 +235,14 @@ def test_engine_loop_bounds_its_commands_between_steps_under_a_target(
 ) -> None:
     """While a sequence decodes under a 20 ms target, commands between two steps run for at most a quarter of it
     (5 ms): six commands of at least 3 ms each spread over at least three gaps, never more than two in one.
-    Without a target (neither a time nor the relative default) they all run in the first gap after they were
-    queued."""
+    Without a target they all run in the first gap after they were queued."""
     from services.worker.engine.config import EngineConfig
     from services.worker.engine.engine import Engine
     from services.worker.engine.request import EngineRequest, SamplingOptions
     from services.worker.engine_host.thread_host import EngineLoop
 
     adapter, model = loaded
-    config = EngineConfig(kv_cache_bytes=4 << 20, max_model_len=1024, itl_target_ms=itl_target_ms,
-                          itl_target_factor=0.0)  # fmt: skip
+    config = EngineConfig(kv_cache_bytes=4 << 20, max_model_len=1024, itl_target_ms=itl_target_ms)
     engine = Engine(adapter, model, config)
     steps = []
     engine.on_step = steps.append

@@ -42,9 +42,9 @@ class EngineConfig:
     ``itl_target_ms`` (0: off) is an inter-token latency target: while sequences decode, each step carries the
     most prefill tokens the step-cost model (fitted online from the engine's own steps, ``step_cost.py``)
     predicts keep the step within it, at least one block's worth (``itl_target.py``); with both set, the
-    smaller cap wins. With no decode running, prefill takes the whole budget either way. Without it the target
-    is relative, ``itl_target_factor`` (the default 6; 0: no target) times the predicted step of the same
-    decodes alone.
+    smaller cap wins. With no decode running, prefill takes the whole budget either way. ``itl_target_factor``
+    (0: off, the default) sets a relative target instead: that many times the predicted step of the same
+    decodes alone; a time, when also set, wins.
 
     ``prefill_threads`` (0: automatic) are the intra-op CPU threads of a step of at least 256 tokens, the process's
     own for the others (step_threads.py): by default twice the process's, at most the cores it may use, so a
@@ -99,7 +99,7 @@ class EngineConfig:
         metadata={"help": "inter-token latency target: prefill per step sized to keep decode steps under it (0: off)"},
     )
     itl_target_factor: float = field(
-        default=6.0,
+        default=0.0,
         metadata={
             "help": "with no itl_target_ms: prefill per step sized to keep a step within this many times its "
             "decodes' step alone (0: off)"

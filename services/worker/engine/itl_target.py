@@ -2,11 +2,11 @@
 
 With decodes running, a step's prefill tokens are the most that the step-cost model (``step_cost.py``,
 fitted from the worker's own steps) predicts keep the whole step within the target, since every decoding
-sequence waits for the step to end before its next token. The target is a time (``itl_target_ms``) or, by
-default, relative: ``itl_target_factor`` times what the model predicts the same decodes take alone, so the
+sequence waits for the step to end before its next token. The target is a time (``itl_target_ms``) or
+relative (``itl_target_factor``): that many times what the model predicts the same decodes take alone, so the
 inter-token latency of a step that takes in prefill stays a few decode steps long on any machine and model
-(a GPU's decode step and a 2-core CPU's differ a hundredfold; a time that suits one starves or ignores the
-other's prefill). Prefill still advances every step by at least
+(a GPU's decode step and a 2-core CPU's differ many times over; a time that suits one starves or ignores the
+other's prefill). Neither is set by default (docs/decisions.md: what a target costs the first tokens). Prefill still advances every step by at least
 ``minimum`` tokens (the engine gives one KV block's worth: a chunk that fills a block, which the prefix
 cache can then publish, and few enough tokens to cost about as much as a handful of decode rows), so a
 long image prompt cannot starve behind decodes however tight the target. With no decode running nobody
