@@ -1,20 +1,20 @@
 """Decode priority by an inter-token latency target: each step's prefill sized so the step is predicted to fit.
 
-With decodes running, a step's prefill tokens are the most that the step-cost model (``step_cost.py``,
-fitted from the worker's own steps) predicts keep the whole step within the target, since every decoding
-sequence waits for the step to end before its next token. The target is a time (``itl_target_ms``) or
-relative (``itl_target_factor``): that many times what the model predicts the same decodes take alone, so the
-inter-token latency of a step that takes in prefill stays a few decode steps long on any machine and model
-(a GPU's decode step and a 2-core CPU's differ many times over; a time that suits one starves or ignores the
-other's prefill). Neither is set by default (docs/decisions.md: what a target costs the first tokens). Prefill still advances every step by at least
-``minimum`` tokens (the engine gives one KV block's worth: a chunk that fills a block, which the prefix
-cache can then publish, and few enough tokens to cost about as much as a handful of decode rows), so a
-long image prompt cannot starve behind decodes however tight the target. With no decode running nobody
-waits: prefill takes the whole token budget. The model predicts a typical step; so that the slow ones fit
-too, the step is planned to ``target / (1 + overrun)``, where overrun is how far the slowest of the recent
-steps with prefill ran over the model (``StepCostModel.prefill_overrun``), kept within [0.15, 0.5]: at least
-13 % under the target, since what a client sees also carries the relay after the worker (its event loop, the
-router, the client), which the worker's step times do not hold; at most a third under it.
+With decodes running, a step's prefill tokens are the most that the step-cost model (``step_cost.py``, fitted from
+the worker's own steps) predicts keep the whole step within the target, since every decoding sequence waits for
+the step to end before its next token. The target is a time (``itl_target_ms``) or relative
+(``itl_target_factor``): that many times what the model predicts the same decodes take alone, so the inter-token
+latency of a step that takes in prefill stays a few decode steps long on any machine and model (a GPU's decode
+step and a 2-core CPU's differ many times over; a time that suits one starves or ignores the other's prefill).
+Neither is set by default (docs/decisions.md: what a target costs the first tokens). Prefill still advances every
+step by at least ``minimum`` tokens (the engine gives one KV block's worth: a chunk that fills a block, which the
+prefix cache can then publish, and few enough tokens to cost about as much as a handful of decode rows), so a long
+image prompt cannot starve behind decodes however tight the target. With no decode running nobody waits: prefill
+takes the whole token budget. The model predicts a typical step; so that the slow ones fit too, the step is
+planned to ``target / (1 + overrun)``, where overrun is how far the slowest of the recent steps with prefill ran
+over the model (``StepCostModel.prefill_overrun``), kept within [0.15, 0.5]: at least 13 % under the target, since
+what a client sees also carries the relay after the worker (its event loop, the router, the client), which the
+worker's step times do not hold; at most a third under it.
 
 The decoding sequences' wait starts at their last token, not at the step: what the engine loop ran between
 the two steps (admissions, arriving embeddings, aborts) is subtracted from the plan (``spent_s``), and that
