@@ -62,20 +62,23 @@ def test_concurrent_greedy_equals_generate(
         assert any(r.cached_tokens > 0 for r in results.values())
 
 
-@pytest.mark.parametrize("target_ms", [0.001, 3.0], ids=["minimum-chunks", "3ms"])
+@pytest.mark.parametrize(
+    ("target_ms", "factor"), [(0.001, 0.0), (3.0, 0.0), (0.0, 2.0)], ids=["minimum-chunks", "3ms", "2x-decode-step"]
+)
 def test_concurrent_greedy_equals_generate_under_an_itl_target(
-    loaded: tuple[Any, Any], workload: list[tuple[Prompt, int, list[int]]], target_ms: float
+    loaded: tuple[Any, Any], workload: list[tuple[Prompt, int, list[int]]], target_ms: float, factor: float
 ) -> None:
     """With an inter-token latency target the prefill chunks next to decodes are sized by the measured step
-    cost (0.001 ms: always the minimum, a block; 3 ms: whatever this machine's steps allow); still exact."""
+    cost (0.001 ms: always the minimum, a block; 3 ms: whatever this machine's steps allow; relative, twice the
+    decodes' own predicted step: the same, scaled to the decodes); still exact."""
     adapter, model = loaded
     config = EngineConfig(kv_cache_bytes=16 << 20, max_num_batched_tokens=512, max_num_seqs=16, max_model_len=4096,
-                          itl_target_ms=target_ms)  # fmt: skip
+                          itl_target_ms=target_ms, itl_target_factor=factor)  # fmt: skip
     engine = Engine(adapter, model, config)
     budgets: list[int] = []
     engine.on_step = lambda timing: budgets.append(timing.prefill_budget) if timing.prefill_budget else None
     run_workload(engine, workload)
     assert budgets, "the target was never consulted"
-    if target_ms < 0.01:
+    if 0 < target_ms < 0.01:
         assert set(budgets) == {engine.config.block_size}
     assert engine.step_costs.samples > 0 and min(engine.step_costs.coefficients) >= 0
