@@ -16,6 +16,7 @@ instrument created without a description is a bug; tests/deploy/test_metrics_liv
 
 from __future__ import annotations
 
+import asyncio
 import fnmatch
 import logging
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, V
 from opentelemetry.sdk.resources import Resource
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, start_http_server
 
+from services.common import loop_lag
 from services.common.fast_histogram import FastHistogram
 
 log = logging.getLogger(__name__)
@@ -110,6 +112,7 @@ class Telemetry:
         self.meter: Meter = self._provider.get_meter(f"epd.{service}")
         self._model_name = model_name
         self._http = None
+        self._loop_watch: asyncio.Task | None = None
         if metrics_port > 0:
             self._http, _ = start_http_server(metrics_port, addr=metrics_host, registry=self.registry)
             log.info("metrics for %s on http://%s:%d/metrics", service, metrics_host, metrics_port)
@@ -122,7 +125,15 @@ class Telemetry:
         self.registry.register(histogram)
         return histogram
 
+    def watch_loop(self) -> None:
+        """Record the running event loop's lag (`epd_event_loop_lag_seconds`, services/common/loop_lag.py) until
+        `shutdown`; call once, from the loop the service serves on."""
+        histogram = self.fast_histogram(loop_lag.NAME, loop_lag.DESCRIPTION)
+        self._loop_watch = asyncio.get_running_loop().create_task(loop_lag.watch(histogram))
+
     def shutdown(self) -> None:
+        if self._loop_watch is not None:
+            self._loop_watch.cancel()
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()

@@ -245,6 +245,7 @@ async def start_encoder(config: EncoderConfig) -> RunningEncoder:
     info = load_model_info(config.model)
     model = info.adapter.load_model(device=config.device, dtype=dtype_of(config.dtype))
     telemetry = Telemetry("encoder", config.host, config.metrics_port, info.model_dir.resolve().name)
+    telemetry.watch_loop()
     metrics = EncoderMetrics.create(telemetry.meter)
     cache = EmbeddingCache(
         CacheSettings.for_service(config, info.identity.revision),

@@ -45,6 +45,7 @@ async def start_router(config: RouterConfig) -> Callable[[], Awaitable[None]]:
     """Serve the public API on config.host:config.port (no model weights are loaded here)."""
     info = load_model_info(config.model)
     telemetry = Telemetry("router", config.host, config.metrics_port, info.model_dir.resolve().name)
+    telemetry.watch_loop()
     metrics = RouterMetrics.create(telemetry)
     cache = EmbeddingCache(CacheSettings.for_service(config, info.identity.revision, max_bytes=0))
     view = ClusterView(Registry(config.redis_url), info.identity.revision)

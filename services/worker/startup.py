@@ -69,6 +69,7 @@ async def start_worker(config: WorkerConfig) -> RunningWorker:
         process = EngineProcess(config)
         process.launch(fork=may_fork())  # before this process starts a thread: forked, it inherits the imports
     telemetry = Telemetry("worker", config.host, config.metrics_port, info.model_dir.resolve().name)
+    telemetry.watch_loop()
     cache = EmbeddingCache(CacheSettings.for_service(config, info.identity.revision))
     host: EngineHost
     if process is not None:

@@ -57,10 +57,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services.common import loop_lag
 from tests.bench import leak_check
 from tests.bench.openai_stream import Endpoint, Outcome
-from tests.bench.serve_report import figure, ratios, summarize, table
-from tests.bench.workload import WORDS
+from tests.bench.serve_report import bucket_p99_ms, figure, lag_line, ratios, summarize, table
+from tests.bench.workload import WORDS, percentile
 
 if TYPE_CHECKING:
     from services.launch.local import LocalCluster
@@ -243,9 +244,16 @@ async def measure_workload(server: Server, bodies: list[dict[str, Any]], setting
     meter = CpuMeter(server.pid) if server.pid else None
     log_from = leak_check.log_size(server.router_log) if server.router_log else 0
     cpu_before, client_before = (meter.seconds() if meter else 0.0), _client_cpu_s()
+    lag_before = _router_lag(server)
+    client_lags = loop_lag.Samples()
+    watch = asyncio.create_task(loop_lag.watch(client_lags))
     outcomes, wall_s = await run_requests(server.endpoint, encoded, settings, random.Random(seed))
+    watch.cancel()
     router_cpu = meter.seconds() - cpu_before if meter else None
     figures = summarize(outcomes, wall_s, router_cpu, _client_cpu_s() - client_before)
+    lag_after = _router_lag(server)
+    figures["router_loop_lag_p99_ms"] = bucket_p99_ms(lag_before, lag_after) if lag_before and lag_after else None
+    figures["client_loop_lag_p99_ms"] = 1000 * percentile(client_lags, 99) if client_lags else None
     if server.router_log is not None and figures["refused"]:
         await asyncio.sleep(0.5)  # the router writes a refusal's line as its generator closes
         figures["refusal_profile"] = leak_check.refusal_profile(server.router_log, log_from)
@@ -264,6 +272,16 @@ async def measure(servers: list[Server], settings: Settings, workloads: list[str
         for server in servers:
             results[server.name][workload] = await measure_workload(server, bodies[workload], settings, seed)
     return results
+
+
+def _router_lag(server: Server) -> dict[float, float]:
+    """The router's `epd_event_loop_lag_seconds` buckets now (empty where its metrics port is not known)."""
+    if not server.router_metrics_port:
+        return {}
+    try:
+        return leak_check.metric_buckets(server.router_metrics_port, loop_lag.NAME)
+    except OSError:
+        return {}
 
 
 def check_leaks(server: Server) -> dict[str, Any] | None:
@@ -439,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     for workload, f in results["ours"].items():
         for line in profile_lines(workload, f):
             print(line)
+        if (lags := lag_line(workload, f)) is not None:
+            print(lags)
     if leaks is not None:
         print(leak_line(leaks))
     out: dict[str, Any] = {

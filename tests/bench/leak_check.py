@@ -36,6 +36,17 @@ def metric_sum(port: int, name: str, label: str = "") -> float:
     return total
 
 
+def metric_buckets(port: int, name: str) -> dict[float, float]:
+    """Histogram `name`'s cumulative bucket counts by upper bound (`+Inf` as infinity), summed over its labels."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "_bucket{") and 'le="' in line:
+            bound = float(line.split('le="', 1)[1].split('"', 1)[0])  # float("+Inf") is infinity
+            out[bound] = out.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def metric_by_label(port: int, name: str, label: str) -> dict[str, float]:
     """`name`'s samples summed per value of `label` (e.g. refusals by reason)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()

@@ -54,6 +54,26 @@ def summarize(outcomes: list[Outcome], wall_s: float, router_cpu_s: float | None
     }
 
 
+def bucket_p99_ms(before: dict[float, float], after: dict[float, float]) -> float | None:
+    """The smallest bucket bound (ms) holding 99 % of the samples a histogram took between two scrapes (its
+    cumulative counts by bound): an upper bound of their p99; None without samples, infinity past the last bound."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    if not counts or counts[-1] <= 0:
+        return None
+    return next(1000 * b for b, c in zip(bounds, counts, strict=True) if c >= 0.99 * counts[-1])
+
+
+def lag_line(workload: str, figures: dict) -> str | None:
+    """The event loops' lag over a workload (router: from its metrics; client: this process), or None."""
+    router, client = figures.get("router_loop_lag_p99_ms"), figures.get("client_loop_lag_p99_ms")
+    if router is None and client is None:
+        return None
+    parts = [] if router is None else [f"router <= {router:g} ms"]
+    parts += [] if client is None else [f"this client {client:.1f} ms"]
+    return f"ours {workload}: event-loop lag p99 " + ", ".join(parts)
+
+
 def ratios(ours: dict[str, dict], theirs: dict[str, dict]) -> dict[str, dict[str, float | None]]:
     """Ours / theirs per workload and figure (None where either is missing or theirs is 0)."""
     out: dict[str, dict[str, float | None]] = {}

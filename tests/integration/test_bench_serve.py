@@ -33,3 +33,8 @@ def test_serve_bench_measures_every_workload_and_the_routers_cpu(
         for key in ("refusal_latency_p50_ms", "refusal_latency_p99_ms", "router_cpu_s", "client_cpu_s", "wall_s"):
             assert key in got, (workload, key)
     assert any(workload in line for line in printed for workload in WORKLOADS)  # the table
+    # both event loops' lag over each workload: the router's from its metrics (a bucket bound), this client's own
+    lags = [(got["router_loop_lag_p99_ms"], got["client_loop_lag_p99_ms"]) for got in figures["workloads"].values()]
+    assert any(router is not None and router >= 1.0 for router, _ in lags), lags
+    assert any(client is not None and client >= 0.0 for _, client in lags), lags
+    assert any("event-loop lag p99 router <=" in line for line in printed)
