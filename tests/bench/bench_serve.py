@@ -26,8 +26,10 @@ final usage counts beyond what the chunks showed, their text held back and sent 
 too; streamed tokens are the usage's count, else the chunks'), and, for the cluster it started or a
 `--router-pid`, the router process's CPU seconds over the workload (psutil, else /proc/PID/stat utime + stime; the
 process alone, not its children) per streamed token: "router CPU ms per token". The client's own CPU seconds are
-in the JSON too (on a small box it competes with the servers). A table, then one JSON line (`--json FILE` writes
-it to a file as well).
+in the JSON too (on a small box it competes with the servers), and both event loops' lag p99 over the workload: the
+router's from its `epd_event_loop_lag_seconds` buckets (an upper bound; when its metrics port is known), the
+client's own (the same watch in this process: a client that lags inflates every latency it reports); the readings
+are tests/bench/meters.py's. A table, then one JSON line (`--json FILE` writes it to a file as well).
 
 Overload: an open-loop rate far above what the cluster serves (`--workloads fresh-image --request-rate 100
 --num-requests 600`, images faster than the encoder's 20 s budget drains) measures how fast refusals come.
@@ -46,9 +48,7 @@ import asyncio
 import base64
 import contextlib
 import json
-import os
 import random
-import resource
 import signal
 import tempfile
 import time
@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 from services.common import loop_lag
 from tests.bench import leak_check
+from tests.bench.meters import CpuMeter, client_cpu_s, router_lag_buckets
 from tests.bench.openai_stream import Endpoint, Outcome
 from tests.bench.serve_report import bucket_p99_ms, figure, lag_line, ratios, summarize, table
 from tests.bench.workload import WORDS, percentile
@@ -97,31 +98,6 @@ class Server:
     redis_url: str = ""
     router_metrics_port: int = 0
     router_log: Path | None = None
-
-
-class CpuMeter:
-    """A process's user + system CPU seconds (its threads, not its children)."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        try:
-            import psutil
-
-            self._process: Any = psutil.Process(pid)
-        except ImportError:
-            self._process = None
-
-    def seconds(self) -> float:
-        if self._process is not None:
-            times = self._process.cpu_times()
-            return times.user + times.system
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
-
-
-def _client_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def image_bytes(settings: Settings, seed: int) -> bytes:
@@ -243,15 +219,15 @@ async def measure_workload(server: Server, bodies: list[dict[str, Any]], setting
     encoded = _encoded(bodies, server.model)
     meter = CpuMeter(server.pid) if server.pid else None
     log_from = leak_check.log_size(server.router_log) if server.router_log else 0
-    cpu_before, client_before = (meter.seconds() if meter else 0.0), _client_cpu_s()
-    lag_before = _router_lag(server)
+    cpu_before, client_before = (meter.seconds() if meter else 0.0), client_cpu_s()
+    lag_before = router_lag_buckets(server.router_metrics_port)
     client_lags = loop_lag.Samples()
     watch = asyncio.create_task(loop_lag.watch(client_lags))
     outcomes, wall_s = await run_requests(server.endpoint, encoded, settings, random.Random(seed))
     watch.cancel()
     router_cpu = meter.seconds() - cpu_before if meter else None
-    figures = summarize(outcomes, wall_s, router_cpu, _client_cpu_s() - client_before)
-    lag_after = _router_lag(server)
+    figures = summarize(outcomes, wall_s, router_cpu, client_cpu_s() - client_before)
+    lag_after = router_lag_buckets(server.router_metrics_port)
     figures["router_loop_lag_p99_ms"] = bucket_p99_ms(lag_before, lag_after) if lag_before and lag_after else None
     figures["client_loop_lag_p99_ms"] = 1000 * percentile(client_lags, 99) if client_lags else None
     if server.router_log is not None and figures["refused"]:
@@ -272,16 +248,6 @@ async def measure(servers: list[Server], settings: Settings, workloads: list[str
         for server in servers:
             results[server.name][workload] = await measure_workload(server, bodies[workload], settings, seed)
     return results
-
-
-def _router_lag(server: Server) -> dict[float, float]:
-    """The router's `epd_event_loop_lag_seconds` buckets now (empty where its metrics port is not known)."""
-    if not server.router_metrics_port:
-        return {}
-    try:
-        return leak_check.metric_buckets(server.router_metrics_port, loop_lag.NAME)
-    except OSError:
-        return {}
 
 
 def check_leaks(server: Server) -> dict[str, Any] | None:
