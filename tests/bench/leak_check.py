@@ -26,9 +26,14 @@ ROUTER_IN_FLIGHT = "epd_router_requests_in_flight"
 STEPS = ("intake_at_s", "lookup_at_s", "placed_at_s")
 
 
+def _scrape(port: int) -> str:
+    """The Prometheus endpoint's text on 127.0.0.1:`port`."""
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
 def metric_sum(port: int, name: str, label: str = "") -> float:
     """The sum of the samples of `name` (those whose labels contain `label`) on a Prometheus endpoint."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    text = _scrape(port)
     total = 0.0
     for line in text.splitlines():
         if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " ") and label in line:
@@ -38,7 +43,7 @@ def metric_sum(port: int, name: str, label: str = "") -> float:
 
 def metric_buckets(port: int, name: str) -> dict[float, float]:
     """Histogram `name`'s cumulative bucket counts by upper bound (`+Inf` as infinity), summed over its labels."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    text = _scrape(port)
     out: dict[float, float] = {}
     for line in text.splitlines():
         if line.startswith(name + "_bucket{") and 'le="' in line:
@@ -49,7 +54,7 @@ def metric_buckets(port: int, name: str) -> dict[float, float]:
 
 def metric_by_label(port: int, name: str, label: str) -> dict[str, float]:
     """`name`'s samples summed per value of `label` (e.g. refusals by reason)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    text = _scrape(port)
     out: dict[str, float] = {}
     key = f'{label}="'
     for line in text.splitlines():
